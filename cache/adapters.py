@@ -1,0 +1,125 @@
+"""Adapters between the engine's working cache and stored spans, one per state kind.
+
+The engine works on a transformers `DynamicCache`; the arena stores per-span pieces. Each adapter knows
+how its kind of layer is cut into pieces, restored from them and split, and nothing else does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from cache.state_spec import FullAttentionSpec, LayerStateSpec, UnsupportedLayerKindError
+
+
+class GrowableKVLayer(DynamicLayer):
+    """A full-attention layer writing into a preallocated buffer instead of `torch.cat` on every step.
+
+    `keys`/`values` are views `[batch, kv_heads, seq, head_dim]` of buffers holding `capacity` tokens, so
+    transformers' length and mask logic see the ordinary shapes. Growing past the capacity doubles it.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = max(1, capacity)
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        if self._key_buffer is None or end > self._key_buffer.shape[-2]:
+            self._grow(key_states, value_states, max(end, 2 * self.capacity if self._key_buffer is not None
+                                                     else self.capacity), start)
+        assert self._key_buffer is not None and self._value_buffer is not None
+        self._key_buffer[:, :, start:end].copy_(key_states)
+        self._value_buffer[:, :, start:end].copy_(value_states)
+        self.keys = self._key_buffer[:, :, :end]
+        self.values = self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def _grow(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, filled: int) -> None:
+        batch, heads, _, head_dim = keys.shape
+        key_buffer = keys.new_empty((batch, heads, capacity, head_dim))
+        value_buffer = values.new_empty((batch, heads, capacity, values.shape[-1]))
+        if filled:
+            key_buffer[:, :, :filled].copy_(self.keys)
+            value_buffer[:, :, :filled].copy_(self.values)
+        self._key_buffer, self._value_buffer, self.capacity = key_buffer, value_buffer, capacity
+
+
+@dataclass(frozen=True, slots=True)
+class KVPiece:
+    """Keys and values of one span, `[batch=1, kv_heads, span_len, head_dim]` each, owned (not views)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+class FullAttentionAdapter:
+    def working_layer(self, capacity: int) -> DynamicLayer:
+        return GrowableKVLayer(capacity)
+
+    def extract(self, layer: DynamicLayer, start: int, end: int) -> KVPiece:
+        return KVPiece(layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone())
+
+    def restore(self, layer: DynamicLayer, piece: KVPiece, take: int) -> None:
+        layer.update(piece.keys[:, :, :take], piece.values[:, :, :take])
+
+    def split(self, piece: KVPiece, offset: int) -> tuple[KVPiece, KVPiece]:
+        # Clones, so that evicting one half frees its bytes: views would keep the whole storage alive.
+        return (KVPiece(piece.keys[:, :, :offset].clone(), piece.values[:, :, :offset].clone()),
+                KVPiece(piece.keys[:, :, offset:].clone(), piece.values[:, :, offset:].clone()))
+
+
+ADAPTERS: dict[type, FullAttentionAdapter] = {FullAttentionSpec: FullAttentionAdapter()}
+
+SpanState = tuple[KVPiece, ...]
+"""The stored state of one span: one piece per decoder layer."""
+
+
+class ModelStateAdapter:
+    """Cuts and restores the whole stack of one model, layer by layer, through the per-kind adapters."""
+
+    def __init__(self, specs: Sequence[LayerStateSpec], config: Any) -> None:
+        missing = sorted({type(spec).__name__ for spec in specs if type(spec) not in ADAPTERS})
+        if missing:
+            raise UnsupportedLayerKindError(f"no state adapter for {', '.join(missing)}")
+        self.specs = tuple(specs)
+        self._config = config
+        self._adapters = tuple(ADAPTERS[type(spec)] for spec in specs)
+
+    def new_cache(self, capacity: int) -> DynamicCache:
+        """A working cache sized for `capacity` tokens (prompt plus the reply's budget)."""
+        cache = DynamicCache(config=self._config)
+        cache.layers = [adapter.working_layer(capacity) for adapter in self._adapters]
+        return cache
+
+    def extract(self, cache: DynamicCache, start: int, end: int) -> SpanState:
+        return tuple(adapter.extract(layer, start, end) for adapter, layer in zip(self._adapters, cache.layers))
+
+    def restore(self, cache: DynamicCache, spans: Sequence[tuple[SpanState, int]]) -> None:
+        """Append stored spans, in order, to an empty working cache; `take` tokens of each span."""
+        for state, take in spans:
+            for adapter, layer, piece in zip(self._adapters, cache.layers, state):
+                adapter.restore(layer, piece, take)
+
+    def split(self, state: SpanState, offset: int) -> tuple[SpanState, SpanState]:
+        halves = [adapter.split(piece, offset) for adapter, piece in zip(self._adapters, state)]
+        return tuple(left for left, _ in halves), tuple(right for _, right in halves)
+
+    @staticmethod
+    def nbytes(state: SpanState) -> int:
+        return sum(piece.nbytes for piece in state)

@@ -1,0 +1,159 @@
+"""A token radix tree: the prefix index of one scope (caller, model).
+
+The tree deals in token ids, positions and opaque state handles only; it never sees a tensor. Each node
+owns the span of tokens from its parent's end to its own end and the handle of the state for that span.
+
+Invariants:
+- a node's span is never empty, except the root's;
+- siblings differ in their first token (`children` is keyed by it);
+- `refs` of a node is at least the sum of `refs` of its children: locking a node locks its ancestors,
+  so an in-flight request's whole path is safe from eviction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+H = TypeVar("H")
+
+
+@dataclass(eq=False, slots=True)
+class TreeNode(Generic[H]):
+    tokens: tuple[int, ...]
+    start: int
+    handle: H | None
+    parent: TreeNode[H] | None
+    children: dict[int, TreeNode[H]] = field(default_factory=dict)
+    last_access: int = 0
+    refs: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch(Generic[H]):
+    """The nodes whose spans cover `tokens[:length]`; the last one may be covered only in part."""
+
+    nodes: tuple[TreeNode[H], ...]
+    length: int
+
+
+def common_prefix_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class RadixTree(Generic[H]):
+    """Prefix index over token sequences with per-span handles.
+
+    `split(handle, offset)` must return the handles of the span's first `offset` tokens and of the rest;
+    the tree calls it when a new sequence diverges inside an existing span.
+    """
+
+    def __init__(self, split: Callable[[H, int], tuple[H, H]], clock: Callable[[], int]) -> None:
+        self.root: TreeNode[H] = TreeNode(tokens=(), start=0, handle=None, parent=None)
+        self._split_handle = split
+        self._clock = clock
+
+    def match(self, tokens: Sequence[int]) -> PrefixMatch[H]:
+        """The longest stored prefix of `tokens`; touches the nodes on the path."""
+        tokens = tuple(tokens)
+        nodes: list[TreeNode[H]] = []
+        node, pos = self.root, 0
+        now = self._clock()
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            common = common_prefix_length(child.tokens, tokens[pos:pos + len(child.tokens)])
+            child.last_access = now
+            nodes.append(child)
+            pos += common
+            if common < len(child.tokens):
+                break
+            node = child
+        return PrefixMatch(tuple(nodes), pos)
+
+    def insert(self, tokens: Sequence[int], make_handle: Callable[[int, int], H]) -> TreeNode[H] | None:
+        """Store `tokens`; `make_handle(start, end)` gives the state handle for a new span.
+
+        Returns the new leaf, or None when the tree already held all of `tokens`.
+        """
+        tokens = tuple(tokens)
+        node, pos = self.root, 0
+        now = self._clock()
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            common = common_prefix_length(child.tokens, tokens[pos:pos + len(child.tokens)])
+            if common < len(child.tokens):
+                child = self._split(child, common)
+            child.last_access = now
+            node, pos = child, pos + common
+        if pos == len(tokens):
+            return None
+        leaf = TreeNode(tokens=tokens[pos:], start=pos, handle=make_handle(pos, len(tokens)),
+                        parent=node, last_access=now)
+        node.children[leaf.tokens[0]] = leaf
+        return leaf
+
+    def _split(self, node: TreeNode[H], offset: int) -> TreeNode[H]:
+        """Cut `node` after `offset` tokens; returns the new upper node, `node` keeps the rest."""
+        assert 0 < offset < len(node.tokens) and node.parent is not None and node.handle is not None
+        left, right = self._split_handle(node.handle, offset)
+        upper = TreeNode(tokens=node.tokens[:offset], start=node.start, handle=left, parent=node.parent,
+                         last_access=node.last_access, refs=node.refs)
+        node.parent.children[upper.tokens[0]] = upper
+        node.tokens, node.start, node.handle, node.parent = node.tokens[offset:], node.start + offset, right, upper
+        upper.children[node.tokens[0]] = node
+        return upper
+
+    def lock(self, node: TreeNode[H]) -> None:
+        current: TreeNode[H] | None = node
+        while current is not None and current is not self.root:
+            current.refs += 1
+            current = current.parent
+
+    def unlock(self, node: TreeNode[H]) -> None:
+        current: TreeNode[H] | None = node
+        while current is not None and current is not self.root:
+            assert current.refs > 0
+            current.refs -= 1
+            current = current.parent
+
+    def evictable_leaves(self) -> Iterator[TreeNode[H]]:
+        """Leaves no in-flight request holds."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node.refs == 0:
+                yield node
+
+    def remove_leaf(self, node: TreeNode[H]) -> H:
+        assert not node.children and node.refs == 0 and node.parent is not None and node.handle is not None
+        del node.parent.children[node.tokens[0]]
+        node.parent = None
+        return node.handle
+
+    def nodes(self) -> Iterator[TreeNode[H]]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node

@@ -1,0 +1,1 @@
+"""The provider node: HTTP API, auth, configuration, command line and the engine."""

@@ -1,0 +1,144 @@
+"""The `tenzro` command line: serve a node, manage API keys, generate models, run benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+
+from node.config import ConfigError, add_key, default_config_path, load_config, tenzro_home
+
+
+def default_threads() -> int:
+    """Leave a core to the rest of a shared machine: oversubscribed OpenMP is many times slower."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores - 1)
+
+
+def _how_to_call(host: str, port: int, model: str, key: str | None) -> str:
+    base = f"http://{host}:{port}/v1"
+    key_line = (f"A new API key for caller 'local' (shown once; only its hash is stored):\n"
+                f"  export TENZRO_API_KEY={key}\n" if key else
+                "Use a key from 'tenzro keys add NAME' as TENZRO_API_KEY.\n")
+    return (f"tenzro node: serving model '{model}' at {base}\n{key_line}"
+            f"Try:\n  curl -s {base}/chat/completions -H \"Authorization: Bearer $TENZRO_API_KEY\" "
+            f"-H 'Content-Type: application/json' \\\n"
+            f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+            f"\"max_tokens\": 16}}'\n")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+    from aiohttp import web
+
+    from cache.prefix_cache import PrefixCache
+    from node.app import create_app
+    from node.engine.loader import ModelLoadError, load_model, resolve_model_dir
+    from node.service import ModelService
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dumps: they would hold prompt state
+    torch.set_num_threads(args.threads)
+    config_path = Path(args.config) if args.config else default_config_path()
+    try:
+        config = load_config(config_path)
+        new_key = None
+        if not config.callers:
+            new_key = add_key(config_path, "local")
+            config = load_config(config_path)
+        model_id, path = resolve_model_dir(args.model, tenzro_home())
+        loaded = load_model(model_id, path, device=args.device, dtype=args.dtype)
+    except (ConfigError, ModelLoadError) as exc:
+        print(f"tenzro: error: {exc}", file=sys.stderr)
+        return 2
+    prefix_cache = None if args.no_reuse else PrefixCache(config.cache)
+    service = ModelService.create(loaded, prefix_cache, config.limits.max_queue)
+    app = create_app(config, config_path, service, prefix_cache)
+    message = _how_to_call(args.host, args.port, model_id, new_key)
+    web.run_app(app, host=args.host, port=args.port, print=lambda _: print(message, flush=True),
+                access_log=None)
+    return 0
+
+
+def _keys_add(args: argparse.Namespace) -> int:
+    path = Path(args.config) if args.config else default_config_path()
+    try:
+        key = add_key(path, args.name, args.role)
+    except ConfigError as exc:
+        print(f"tenzro: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"API key for {args.role} '{args.name}' (shown once; {path} stores only its hash):")
+    print(key)
+    return 0
+
+
+def _models_init(args: argparse.Namespace) -> int:
+    from node.engine.synthetic import UnknownArchitectureError, init_model
+
+    try:
+        init_model(args.arch, Path(args.dir), args.size)
+    except (UnknownArchitectureError, FileExistsError) as exc:
+        print(f"tenzro: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote a {args.size} '{args.arch}' model to {args.dir}")
+    return 0
+
+
+def _bench_reuse(args: argparse.Namespace) -> int:
+    from node.bench import run_reuse_bench
+
+    return run_reuse_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tenzro", description=__doc__)
+    groups = parser.add_subparsers(dest="group", required=True)
+
+    node = groups.add_parser("node", help="run the provider node").add_subparsers(dest="command", required=True)
+    serve = node.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP API")
+    serve.add_argument("--model", default="default", help="'default' (the embedded model) or a local model dir")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--config", help="node config YAML (default: $TENZRO_HOME/node.yaml)")
+    serve.add_argument("--no-reuse", action="store_true", help="compute every prompt from scratch")
+    serve.add_argument("--threads", type=int, default=default_threads(), help="torch CPU threads")
+    serve.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                       help="weights dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    serve.set_defaults(func=_serve)
+
+    keys = groups.add_parser("keys", help="API keys").add_subparsers(dest="command", required=True)
+    add = keys.add_parser("add", help="create a caller key; prints it once, stores only its hash")
+    add.add_argument("name")
+    add.add_argument("--config", help="node config YAML (default: $TENZRO_HOME/node.yaml)")
+    add.add_argument("--role", default="caller", choices=["caller", "auditor"])
+    add.set_defaults(func=_keys_add)
+
+    models = groups.add_parser("models", help="models").add_subparsers(dest="command", required=True)
+    init = models.add_parser("init", help="write a deterministic randomly initialised model directory")
+    init.add_argument("--arch", default="dense")
+    init.add_argument("--size", default="default", choices=["default", "small"])
+    init.add_argument("dir")
+    init.set_defaults(func=_models_init)
+
+    bench = groups.add_parser("bench", help="benchmarks").add_subparsers(dest="command", required=True)
+    reuse = bench.add_parser("reuse", help="time to first token, cold versus reused prefix")
+    reuse.add_argument("--url", help="an OpenAI-compatible base URL to measure (default: start a local node)")
+    reuse.add_argument("--model", help="model id at --url, or model dir/'default' for the local node")
+    reuse.add_argument("--api-key", default=os.environ.get("TENZRO_API_KEY") or os.environ.get("OPENAI_API_KEY"))
+    reuse.add_argument("--threads", type=int, default=1, help="torch threads of the local node")
+    reuse.add_argument("--lengths", default="512,1024,2048,4096")
+    reuse.add_argument("--new-tokens", type=int, default=32)
+    reuse.add_argument("--runs", type=int, default=5)
+    reuse.add_argument("--out", default="bench-results/reuse.json")
+    reuse.add_argument("--device", help="device of the local node")
+    reuse.set_defaults(func=_bench_reuse)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    sys.exit(args.func(args))

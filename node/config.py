@@ -1,0 +1,139 @@
+"""The node's configuration file: callers with hashed API keys, cache budgets and request limits.
+
+YAML, parsed once into frozen dataclasses; unknown keys are errors. API keys are never stored: only the
+SHA-256 of each key (keys are 256-bit random, so a plain digest is enough to make the file useless for
+impersonation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cache.prefix_cache import CacheBudget
+
+KEY_PREFIX = "tz-"
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+GIB = 1024**3
+
+
+class ConfigError(ValueError):
+    """The configuration file is malformed; the message names the key to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    name: str
+    key_sha256: str
+    role: str = "caller"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_queue: int = 64
+    max_body_bytes: int = 8 * 1024 * 1024
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    callers: tuple[Caller, ...] = ()
+    cache: CacheBudget = field(default_factory=lambda: CacheBudget(node_bytes=4 * GIB, caller_bytes=1 * GIB))
+    limits: Limits = field(default_factory=Limits)
+
+
+ROLES = ("caller", "auditor")
+
+
+def tenzro_home() -> Path:
+    return Path(os.environ.get("TENZRO_HOME", "~/.tenzro")).expanduser()
+
+
+def default_config_path() -> Path:
+    return tenzro_home() / "node.yaml"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _section(raw: Any, name: str, allowed: set[str], integers: bool = True) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"'{name}' must be a mapping")
+    unknown = set(raw) - allowed
+    if unknown:
+        raise ConfigError(f"unknown key(s) in '{name}': {', '.join(sorted(unknown))}; allowed: "
+                          f"{', '.join(sorted(allowed))}")
+    for key, value in raw.items():
+        if integers and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ConfigError(f"'{name}.{key}' must be a non-negative integer")
+    return raw
+
+
+def parse_config(raw: Any) -> NodeConfig:
+    top = _section(raw, "config", {"callers", "cache", "limits"}, integers=False) if raw is not None else {}
+    callers = []
+    for name, entry in (top.get("callers") or {}).items():
+        if not isinstance(entry, dict) or set(entry) - {"key_sha256", "role"} or "key_sha256" not in entry:
+            raise ConfigError(f"callers.{name} must have 'key_sha256' and optionally 'role'")
+        if entry.get("role", "caller") not in ROLES:
+            raise ConfigError(f"callers.{name}.role must be one of {', '.join(ROLES)}")
+        callers.append(Caller(str(name), str(entry["key_sha256"]), entry.get("role", "caller")))
+    defaults = NodeConfig()
+    cache = _section(top.get("cache"), "cache", {"node_bytes", "caller_bytes"})
+    limits = _section(top.get("limits"), "limits", {"max_queue", "max_body_bytes", "default_max_tokens"})
+    budget = CacheBudget(cache.get("node_bytes", defaults.cache.node_bytes),
+                         cache.get("caller_bytes", defaults.cache.caller_bytes))
+    return NodeConfig(callers=tuple(callers), cache=budget, limits=replace(defaults.limits, **limits))
+
+
+def load_config(path: Path) -> NodeConfig:
+    if not path.exists():
+        return NodeConfig()
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    return parse_config(raw)
+
+
+def _dump(config: NodeConfig) -> dict[str, Any]:
+    return {
+        "callers": {c.name: {"key_sha256": c.key_sha256, "role": c.role} for c in config.callers},
+        "cache": {"node_bytes": config.cache.node_bytes, "caller_bytes": config.cache.caller_bytes},
+        "limits": {"max_queue": config.limits.max_queue, "max_body_bytes": config.limits.max_body_bytes,
+                   "default_max_tokens": config.limits.default_max_tokens},
+    }
+
+
+def save_config(path: Path, config: NodeConfig) -> None:
+    """Atomic write, readable by the owner only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".node-", dir=path.parent)
+    with os.fdopen(fd, "w") as handle:
+        yaml.safe_dump(_dump(config), handle, sort_keys=False)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def add_key(path: Path, name: str, role: str = "caller") -> str:
+    """Create caller `name` (or give it a new key) and return the key; only its hash is stored."""
+    if not NAME_PATTERN.match(name):
+        raise ConfigError("a caller name is 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit")
+    if role not in ROLES:
+        raise ConfigError(f"role must be one of {', '.join(ROLES)}")
+    config = load_config(path)
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    callers = tuple(c for c in config.callers if c.name != name) + (Caller(name, hash_key(key), role),)
+    save_config(path, replace(config, callers=callers))
+    return key

@@ -1,0 +1,1 @@
+"""The engine: model loading, chat rendering, prefill/decode with state reuse, sampling, scheduling."""

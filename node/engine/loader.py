@@ -1,0 +1,97 @@
+"""Loading a local Hugging Face causal LM directory (or the embedded default) for serving."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from cache.adapters import ModelStateAdapter
+from cache.state_spec import UnsupportedLayerKindError, model_state_specs, reuse_blocker
+from node.engine.synthetic import ensure_default_model
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+
+
+class ModelLoadError(Exception):
+    """The model directory cannot be served; the message says what is missing."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model_id: str
+    path: Path
+    model: Any
+    tokenizer: Any
+    context_length: int
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_ids: frozenset[int]
+    state: ModelStateAdapter | None
+    """How to cut and restore this model's state; None when some layer kind is not supported yet."""
+    reuse_blocker: str | None
+
+
+def resolve_model_dir(spec: str, home: Path) -> tuple[str, Path]:
+    """(model id, directory) for `--model default|DIR`; builds the default model on first use."""
+    if spec == DEFAULT_MODEL:
+        return DEFAULT_MODEL, ensure_default_model(home / "models")
+    path = Path(spec).expanduser().resolve()
+    return path.name, path
+
+
+def _check_model_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise ModelLoadError(f"{path} is not a directory; pass --model default or a local model directory")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is not a Hugging Face model directory: it has no config.json")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ModelLoadError(f"{path} has no weights (*.safetensors or *.bin)")
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise ModelLoadError(f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def load_model(model_id: str, path: Path, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+    _check_model_dir(path)
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if target.type == "cuda" else torch.float32)
+    try:
+        config = AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(target).eval()
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load the model in {path}: {exc}") from exc
+    text_config = config.get_text_config(decoder=True)
+    context = int(getattr(text_config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+    state: ModelStateAdapter | None = None
+    try:
+        specs = model_state_specs(text_config)
+        blocker = reuse_blocker(specs)
+        if blocker is None:
+            state = ModelStateAdapter(specs, model.config)
+    except UnsupportedLayerKindError as exc:
+        blocker = str(exc)
+    if blocker:
+        log.warning("model %s is served without reuse: %s", model_id, blocker)
+    return LoadedModel(model_id=model_id, path=path, model=model, tokenizer=tokenizer, context_length=context,
+                       device=target, dtype=torch_dtype, eos_token_ids=_eos_ids(model, tokenizer), state=state,
+                       reuse_blocker=blocker)

@@ -1,0 +1,149 @@
+"""The node's own prefill/decode loop on the transformers cache API, with prefix-state reuse.
+
+One request at a time: restore the leased prefix state, prefill the rest of the prompt in chunks, decode,
+feed the last generated token so the reply's state is complete, and store the new state for the caller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from cache.arena import Scope
+from cache.prefix_cache import PrefixCache
+from node.engine.detokenizer import Detokenizer
+from node.engine.loader import LoadedModel
+from node.engine.sampling import Sampler, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    scope: Scope
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    prompt_tokens: int
+    cached_read_tokens: int
+    """Prompt tokens restored from stored state instead of computed."""
+    cached_write_tokens: int
+    """Prompt tokens computed by this request and now held for reuse."""
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+    """"stop" (end of sequence or a stop string), "length" (max_tokens) or "cancelled"."""
+    queue_wait_s: float
+    ttft_s: float
+
+
+class Runner:
+    def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache | None, prefill_chunk: int = 1024) -> None:
+        self.loaded = loaded
+        self.prefix_cache = prefix_cache if loaded.state is not None else None
+        if self.prefix_cache is not None and loaded.state is not None:
+            self.prefix_cache.register_model(loaded.model_id, loaded.state)
+        self.prefill_chunk = prefill_chunk
+
+    @property
+    def reuse_enabled(self) -> bool:
+        return self.prefix_cache is not None
+
+    def _forward(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
+        """Run `ids` at positions `[start, start + len)`; returns the last position's logits `[vocab]`."""
+        device = self.loaded.device
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        positions = torch.arange(start, start + len(ids), device=device).unsqueeze(0)
+        out = self.loaded.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True,
+                                logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    def _prefill(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
+        logits: torch.Tensor | None = None
+        for offset in range(0, len(ids), self.prefill_chunk):
+            chunk = ids[offset:offset + self.prefill_chunk]
+            logits = self._forward(chunk, start + offset, cache)
+        assert logits is not None
+        return logits
+
+    def _new_cache(self, capacity: int) -> DynamicCache:
+        state = self.loaded.state
+        return state.new_cache(capacity) if state is not None else DynamicCache(config=self.loaded.model.config)
+
+    @torch.inference_mode()
+    def prompt_logits(self, scope: Scope, prompt: list[int]) -> tuple[torch.Tensor, int]:
+        """Last-position logits of `prompt` with reuse as configured, then store its state; for tests.
+
+        Returns (logits `[vocab]`, tokens restored).
+        """
+        cache, restored = self._restore(scope, prompt, capacity=len(prompt))
+        logits = self._prefill(prompt[restored:], restored, cache)
+        self._store(scope, prompt, cache)
+        return logits, restored
+
+    def _restore(self, scope: Scope, prompt: list[int], capacity: int) -> tuple[DynamicCache, int]:
+        cache = self._new_cache(capacity)
+        if self.prefix_cache is None or self.loaded.state is None:
+            return cache, 0
+        # At least one prompt token is always computed: its logits choose the first output token.
+        lease = self.prefix_cache.acquire(scope, prompt, limit=len(prompt) - 1)
+        try:
+            self.loaded.state.restore(cache, self.prefix_cache.restore_list(lease))
+        finally:
+            self.prefix_cache.release(lease)
+        return cache, lease.length
+
+    def _store(self, scope: Scope, tokens: list[int], cache: DynamicCache) -> int:
+        if self.prefix_cache is None or self.loaded.state is None:
+            return 0
+        state = self.loaded.state
+        result = self.prefix_cache.store(scope, tokens, lambda start, end: state.extract(cache, start, end))
+        return result.stored
+
+    @torch.inference_mode()
+    def generate(self, request: GenerationRequest, emit: Callable[[str], Any],
+                 cancelled: Callable[[], bool], queue_wait_s: float = 0.0) -> GenerationResult:
+        """Run one request; `emit` gets each text delta as soon as it is safe to send."""
+        started = time.perf_counter()
+        params, prompt = request.params, request.prompt
+        cache, restored = self._restore(request.scope, prompt, capacity=len(prompt) + params.max_tokens)
+        logits = self._prefill(prompt[restored:], restored, cache)
+        sampler = Sampler(params)
+        detok = Detokenizer(self.loaded.tokenizer, params.stop)
+        output: list[int] = []
+        finish_reason = "length"
+        ttft = 0.0
+        while len(output) < params.max_tokens:
+            token = sampler.next_token(logits)
+            output.append(token)
+            delta = detok.push(token)
+            if len(output) == 1:
+                ttft = time.perf_counter() - started
+            if delta:
+                emit(delta)
+            if token in self.loaded.eos_token_ids or detok.stopped:
+                finish_reason = "stop"
+                break
+            if cancelled():
+                finish_reason = "cancelled"
+                break
+            if len(output) < params.max_tokens:
+                logits = self._forward([token], len(prompt) + len(output) - 1, cache)
+        tail = detok.flush()
+        if tail:
+            emit(tail)
+        fed = prompt + output
+        if output and self.prefix_cache is not None:
+            # The last token was sampled but not yet run: run it so the stored state ends with the reply.
+            self._forward([output[-1]], len(fed) - 1, cache)
+        stored = self._store(request.scope, fed, cache)
+        written = min(stored, max(0, len(prompt) - (len(fed) - stored)))
+        return GenerationResult(prompt_tokens=len(prompt), cached_read_tokens=restored,
+                                cached_write_tokens=written, output_ids=output, text=detok.text,
+                                finish_reason=finish_reason, queue_wait_s=queue_wait_s, ttft_s=ttft)

@@ -1,0 +1,129 @@
+"""Fair queueing of generation requests onto the model's single worker thread.
+
+Model calls run off the event loop, in one worker thread per model, so the HTTP server keeps answering
+while a long prompt is prefilled. Callers take turns: each has its own FIFO and the worker serves the
+callers round-robin, so one caller's burst cannot starve another's single request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import traceback
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from node.engine.runner import GenerationRequest, GenerationResult, Runner
+
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """The node has as many waiting requests as it is configured to hold."""
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    result: GenerationResult
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    error: BaseException
+
+
+Event = TextDelta | Finished | Failed
+
+
+@dataclass(eq=False)
+class Job:
+    caller: str
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+    enqueued_at: float = field(default_factory=time.perf_counter)
+
+    def post(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def cancel(self) -> None:
+        self.cancel_event.set()
+
+
+class Scheduler:
+    def __init__(self, runner: Runner, max_queue: int) -> None:
+        self.runner = runner
+        self.max_queue = max_queue
+        self._queues: OrderedDict[str, deque[Job]] = OrderedDict()
+        self._waiting = 0
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._work, name="engine-worker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def submit(self, caller: str, request: GenerationRequest) -> Job:
+        job = Job(caller=caller, request=request, loop=asyncio.get_running_loop())
+        with self._cond:
+            if self._waiting >= self.max_queue:
+                raise QueueFullError(f"the node is busy: {self._waiting} requests are waiting; retry later")
+            self._queues.setdefault(caller, deque()).append(job)
+            self._waiting += 1
+            self._cond.notify()
+        return job
+
+    def _next_job(self) -> Job | None:
+        with self._cond:
+            while not self._queues and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            caller, queue = next(iter(self._queues.items()))
+            job = queue.popleft()
+            # Round-robin: the caller goes to the back of the rotation, or leaves it when drained.
+            del self._queues[caller]
+            if queue:
+                self._queues[caller] = queue
+            self._waiting -= 1
+            return job
+
+    def _work(self) -> None:
+        while (job := self._next_job()) is not None:
+            if job.cancel_event.is_set():
+                job.post(Failed(asyncio.CancelledError()))
+                continue
+            wait = time.perf_counter() - job.enqueued_at
+            try:
+                result = self.runner.generate(job.request, emit=lambda text, j=job: j.post(TextDelta(text)),
+                                              cancelled=job.cancel_event.is_set, queue_wait_s=wait)
+            except Exception as exc:  # noqa: BLE001 - reported to the waiting request, worker keeps serving
+                # Frames only: an exception's message may quote token ids.
+                log.error("generation failed: %s\n%s", type(exc).__name__,
+                          "".join(traceback.format_tb(exc.__traceback__)))
+                job.post(Failed(exc))
+                continue
+            job.post(Finished(result))
+
+    def describe(self) -> dict[str, Any]:
+        return {"waiting": self._waiting, "max_queue": self.max_queue}

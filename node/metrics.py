@@ -1,0 +1,38 @@
+"""Prometheus metrics of one node: counts and timings only, nothing that identifies prompt content."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class NodeMetrics:
+    def __init__(self, cached_bytes: Callable[[], float], queue_waiting: Callable[[], float]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("tenzro_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("tenzro_prompt_tokens", "Prompt tokens, by whether they were computed "
+                                     "(prefilled) or restored from stored state (reused)", ["source"],
+                                     registry=self.registry)
+        self.completion_tokens = Counter("tenzro_completion_tokens", "Generated tokens", registry=self.registry)
+        self.ttft = Histogram("tenzro_time_to_first_token_seconds", "From taking the request off the queue to "
+                              "the first generated token", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.queue_wait = Histogram("tenzro_queue_wait_seconds", "Time a request waited for the model",
+                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+        cached = Gauge("tenzro_cached_bytes", "Bytes of prompt state held for reuse", registry=self.registry)
+        cached.set_function(cached_bytes)
+        waiting = Gauge("tenzro_queue_waiting", "Requests waiting for the model", registry=self.registry)
+        waiting.set_function(queue_waiting)
+
+    def observe_generation(self, prompt: int, reused: int, completion: int, ttft_s: float, wait_s: float) -> None:
+        self.prompt_tokens.labels(source="prefilled").inc(prompt - reused)
+        self.prompt_tokens.labels(source="reused").inc(reused)
+        self.completion_tokens.inc(completion)
+        self.ttft.observe(ttft_s)
+        self.queue_wait.observe(wait_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,71 @@
+"""One served model: its loaded weights, runner and scheduler, and turning API requests into jobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cache.arena import Scope
+from cache.prefix_cache import PrefixCache
+from node.config import Limits
+from node.engine.loader import LoadedModel
+from node.engine.runner import GenerationRequest, Runner
+from node.engine.sampling import SamplingParams
+from node.engine.scheduler import Scheduler
+from node.errors import invalid_request
+from node.openai_schema import CommonParams, Message
+
+
+@dataclass(frozen=True, slots=True)
+class ModelService:
+    loaded: LoadedModel
+    runner: Runner
+    scheduler: Scheduler
+
+    @classmethod
+    def create(cls, loaded: LoadedModel, prefix_cache: PrefixCache | None, max_queue: int) -> ModelService:
+        runner = Runner(loaded, prefix_cache)
+        return cls(loaded, runner, Scheduler(runner, max_queue))
+
+    @property
+    def model_id(self) -> str:
+        return self.loaded.model_id
+
+    def chat_prompt(self, messages: tuple[Message, ...]) -> list[int]:
+        tokenizer = self.loaded.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise invalid_request(f"the model {self.model_id!r} has no chat template; use /v1/completions")
+        encoded = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                                add_generation_prompt=True, tokenize=True)
+        ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
+        return [int(t) for t in ids]
+
+    def text_prompt(self, prompt: str | tuple[int, ...]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        vocab = self.loaded.model.config.get_text_config(decoder=True).vocab_size
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise invalid_request(f"prompt[{bad}] is not a token id of this model (0 to {vocab - 1})",
+                                  param="prompt")
+        return list(prompt)
+
+    def request(self, caller: str, prompt: list[int], params: CommonParams, limits: Limits,
+                prompt_param: str) -> GenerationRequest:
+        """Check the prompt against the context length and build the engine request."""
+        context = self.loaded.context_length
+        if not prompt:
+            raise invalid_request("the prompt is empty", param=prompt_param)
+        if len(prompt) >= context:
+            raise invalid_request(f"the prompt is {len(prompt)} tokens; this model's context length is "
+                                  f"{context} tokens, which must also fit at least one output token",
+                                  param=prompt_param, code="context_length_exceeded")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = min(limits.default_max_tokens, context - len(prompt))
+        elif len(prompt) + max_tokens > context:
+            raise invalid_request(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                                  f"this model's context length of {context} tokens; lower max_tokens",
+                                  param="max_tokens", code="context_length_exceeded")
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
+                                  seed=params.seed, stop=params.stop)
+        return GenerationRequest(scope=Scope(caller=caller, model=self.model_id), prompt=prompt, params=sampling)

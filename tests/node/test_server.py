@@ -1,0 +1,225 @@
+"""The node as a subprocess on loopback, through the official openai client and aiohttp."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from cache.arena import Scope
+from node.engine.loader import load_model
+from node.engine.runner import GenerationRequest, Runner
+from node.engine.sampling import SamplingParams
+from tests.node.conftest import Node
+
+
+def client(node: Node, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=node.base, api_key=key, max_retries=0)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_five_turn_chat_reuses_history_and_matches_no_reuse(node_factory, small_model_dir: Path) -> None:
+    reuse = node_factory(small_model_dir)
+    plain = node_factory(small_model_dir, "--no-reuse")
+    model = small_model_dir.name
+    oracle = Runner(load_model(model, small_model_dir), None)  # in-process, reuse off: the generated ids
+    tokenizer = oracle.loaded.tokenizer
+    c_reuse, c_plain = client(reuse, reuse.add_key("alice")), client(plain, plain.add_key("alice"))
+    messages = [{"role": "system", "content": "You are a terse assistant for the test suite."}]
+    stored: list[int] = []
+    drift_free_turns = 0
+    for turn in range(5):
+        messages.append({"role": "user", "content": f"Question number {turn}: tell me about flowers."})
+        got = c_reuse.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+        expected = c_plain.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+        assert got.choices[0].message.content == expected.choices[0].message.content
+        assert expected.usage.prompt_tokens_details.cached_tokens == 0
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        assert got.usage.prompt_tokens == len(prompt)
+        cached = got.usage.prompt_tokens_details.cached_tokens
+        # Reuse covers the previous prompt and the reply as generated, up to the first token where the
+        # re-rendered reply differs from the generated ids; one prompt token is always computed.
+        assert cached == min(common_prefix(stored, prompt), len(prompt) - 1)
+        if turn:
+            assert cached >= previous_prompt_len
+            drift_free_turns += cached >= len(stored) - 1
+        reference = oracle.generate(GenerationRequest(Scope("t", model), prompt, SamplingParams(12, 0.0)),
+                                    emit=lambda _: None, cancelled=lambda: False)
+        assert reference.text == got.choices[0].message.content
+        stored = prompt + reference.output_ids
+        previous_prompt_len = len(prompt)
+        messages.append({"role": "assistant", "content": got.choices[0].message.content})
+    assert got.usage.prompt_tokens > 100
+    print(f"turns whose whole previous reply was reused: {drift_free_turns} of 4")
+
+
+def test_another_caller_and_another_model_start_from_scratch(node_factory, small_model_dir: Path) -> None:
+    node = node_factory(small_model_dir)
+    alice, bob = client(node, node.add_key("alice")), client(node, node.add_key("bob"))
+    model = small_model_dir.name
+    messages = [{"role": "user", "content": "The same long prompt for both callers. " * 10}]
+    first = alice.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    again = alice.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    other = bob.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.choices[0].message.content == first.choices[0].message.content
+
+
+def test_completions_accept_text_and_token_ids_and_stream_usage(node_factory, small_model_dir: Path) -> None:
+    node = node_factory(small_model_dir)
+    c = client(node, node.add_key("alice"))
+    model = small_model_dir.name
+    ids = list(range(1000, 1100))
+    plain = c.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
+    assert plain.usage.prompt_tokens == 100 and plain.usage.completion_tokens == 6
+    assert plain.choices[0].finish_reason == "length"
+    stream = c.completions.create(model=model, prompt=ids + [7, 8], max_tokens=6, temperature=0, stream=True,
+                                  stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.prompt_tokens == 102
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 100
+    text = c.completions.create(model=model, prompt="Hello there", max_tokens=3, temperature=0)
+    assert text.usage.completion_tokens == 3
+    chat_stream = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chat_chunks = list(chat_stream)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chat_chunks if ch.choices)
+    whole = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                      temperature=0)
+    assert streamed == whole.choices[0].message.content
+    assert chat_chunks[-1].usage.completion_tokens == 5
+    assert [ch.choices[0].finish_reason for ch in chat_chunks if ch.choices][-1] == "length"
+
+
+def test_seeded_sampling_repeats_and_stop_strings_cut(node_factory, small_model_dir: Path) -> None:
+    node = node_factory(small_model_dir)
+    c = client(node, node.add_key("alice"))
+    model = small_model_dir.name
+    kwargs = dict(model=model, prompt="Once upon a time", max_tokens=10, temperature=0.9, top_p=0.9)
+    a = c.completions.create(seed=7, **kwargs)
+    b = c.completions.create(seed=7, **kwargs)
+    assert a.choices[0].text == b.choices[0].text
+    full = c.completions.create(model=model, prompt="Once upon a time", max_tokens=10, temperature=0).choices[0]
+    stop = full.text[3:5]
+    cut = c.completions.create(model=model, prompt="Once upon a time", max_tokens=10, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full.text[:full.text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+ERROR_CASES = [
+    # (headers, body, status, code)
+    ({}, {"model": "M", "messages": [{"role": "user", "content": "x"}]}, 401, "invalid_api_key"),
+    ({"Authorization": "Bearer tz-wrong"}, {"model": "M", "messages": [{"role": "user", "content": "x"}]},
+     401, "invalid_api_key"),
+    (None, {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model_not_found"),
+    (None, b"{not json", 400, "invalid_json"),
+    (None, {"model": "M", "messages": []}, 400, None),
+    (None, {"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, None),
+    (None, {"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, None),
+    (None, {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    (None, {"model": "M", "messages": [{"role": "user", "content": "word " * 5000}]}, 400,
+     "context_length_exceeded"),
+    (None, {"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400,
+     "context_length_exceeded"),
+    (None, b"x" * (9 * 1024 * 1024), 413, "request_too_large"),
+]
+
+
+async def _post(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: object):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with session.post(url, data=data, headers={"Content-Type": "application/json", **headers}) as resp:
+        return resp.status, await resp.json()
+
+
+def test_errors_are_openai_shaped_and_the_node_keeps_serving(node_factory, small_model_dir: Path) -> None:
+    node = node_factory(small_model_dir)
+    key = node.add_key("alice")
+    model = small_model_dir.name
+    good = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            url = node.base + "/chat/completions"
+            for headers, body, status, code in ERROR_CASES:
+                if isinstance(body, dict) and body.get("model") == "M":
+                    body = {**body, "model": model}
+                got_status, payload = await _post(session, url, {"Authorization": f"Bearer {key}"}
+                                                  if headers is None else headers, body)
+                assert got_status == status, payload
+                assert set(payload["error"]) == {"message", "type", "param", "code"}
+                assert payload["error"]["message"]
+                if code is not None:
+                    assert payload["error"]["code"] == code
+                ok_status, ok = await _post(session, url, {"Authorization": f"Bearer {key}"}, good)
+                assert ok_status == 200 and ok["usage"]["completion_tokens"] == 2
+
+    asyncio.run(run())
+
+
+def test_full_queue_answers_503_and_health_answers_during_prefill(node_factory, small_model_dir: Path) -> None:
+    node = node_factory(small_model_dir, config_text="limits:\n  max_queue: 1\n")
+    key = node.add_key("alice")
+    long = {"model": small_model_dir.name, "prompt": list(range(100, 3100)), "max_tokens": 200}
+
+    async def run() -> None:
+        headers = {"Authorization": f"Bearer {key}"}
+        async with aiohttp.ClientSession() as session:
+            url = node.base + "/completions"
+            busy = [asyncio.create_task(_post(session, url, headers, long)) for _ in range(2)]
+            await asyncio.sleep(0.5)
+            async with session.get(node.url + "/health") as health:
+                assert health.status == 200
+            status, payload = await _post(session, url, headers, long)
+            assert status == 503 and payload["error"]["code"] == "queue_full"
+            assert [s for s, _ in await asyncio.gather(*busy)] == [200, 200]
+            status, _ = await _post(session, url, headers, {**long, "max_tokens": 1})
+            assert status == 200
+
+    asyncio.run(run())
+
+
+def test_models_and_metrics(node_factory, small_model_dir: Path) -> None:
+    node = node_factory(small_model_dir)
+    c = client(node, node.add_key("alice"))
+    assert [m.id for m in c.models.list().data] == [small_model_dir.name]
+    prompt = list(range(2000, 2050))
+    c.completions.create(model=small_model_dir.name, prompt=prompt, max_tokens=2, temperature=0)
+    c.completions.create(model=small_model_dir.name, prompt=prompt + [5], max_tokens=2, temperature=0)
+
+    async def scrape() -> str:
+        async with aiohttp.ClientSession() as session, session.get(node.url + "/metrics") as resp:
+            return await resp.text()
+
+    text = asyncio.run(scrape())
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['tenzro_prompt_tokens_total{source="reused"}'] == 50
+    assert values['tenzro_prompt_tokens_total{source="prefilled"}'] == 51
+    assert values["tenzro_time_to_first_token_seconds_count"] == 2
+    # Stored: 50 prompt + 2 reply tokens, then 1 more prompt + 2 reply tokens, in 2 layers of K and V.
+    per_token = 2 * 2 * 2 * (64 // 4) * 4
+    assert values["tenzro_cached_bytes"] == (52 + 1 + 2) * per_token
+    assert "alice" not in text
+
+
+@pytest.mark.parametrize("bad", ["/nonexistent"])
+def test_refuses_to_start_on_a_directory_that_is_not_a_model(tmp_path: Path, bad: str) -> None:
+    from tests.node.conftest import tenzro
+
+    result = tenzro("node", "serve", "--model", str(tmp_path), "--config", str(tmp_path / "c.yaml"),
+                    env={"TENZRO_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2
+    assert "is not a Hugging Face model directory: it has no config.json" in result.stderr
