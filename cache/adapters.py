@@ -17,6 +17,25 @@ from transformers.cache_utils import DynamicLayer
 from cache.state_spec import FullAttentionSpec, LayerStateSpec, UnsupportedLayerKindError
 
 
+class BufferPool:
+    """Working buffers kept between requests, so each request does not page-fault fresh memory.
+
+    Requests run one at a time per model; a buffer handed out is valid until the next `take` of the same
+    slot. Stored spans are always clones, never views of these buffers.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def take(self, slot: int, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor of `shape` (seq on dim 2) with `like`'s dtype and device, backed by slot's buffer."""
+        held = self._buffers.get(slot)
+        if (held is None or held.dtype != like.dtype or held.device != like.device
+                or held.shape[:2] + held.shape[3:] != shape[:2] + shape[3:] or held.shape[2] < shape[2]):
+            held = self._buffers[slot] = like.new_empty(shape)
+        return held[:, :, :shape[2]]
+
+
 class GrowableKVLayer(DynamicLayer):
     """A full-attention layer writing into a preallocated buffer instead of `torch.cat` on every step.
 
@@ -24,9 +43,11 @@ class GrowableKVLayer(DynamicLayer):
     transformers' length and mask logic see the ordinary shapes. Growing past the capacity doubles it.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, pool: BufferPool | None = None, slot: int = 0) -> None:
         super().__init__()
         self.capacity = max(1, capacity)
+        self._pool = pool
+        self._slot = slot
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
 
@@ -48,8 +69,12 @@ class GrowableKVLayer(DynamicLayer):
 
     def _grow(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, filled: int) -> None:
         batch, heads, _, head_dim = keys.shape
-        key_buffer = keys.new_empty((batch, heads, capacity, head_dim))
-        value_buffer = values.new_empty((batch, heads, capacity, values.shape[-1]))
+        key_shape, value_shape = (batch, heads, capacity, head_dim), (batch, heads, capacity, values.shape[-1])
+        if self._pool is not None and not filled:
+            key_buffer = self._pool.take(2 * self._slot, keys, key_shape)
+            value_buffer = self._pool.take(2 * self._slot + 1, values, value_shape)
+        else:
+            key_buffer, value_buffer = keys.new_empty(key_shape), values.new_empty(value_shape)
         if filled:
             key_buffer[:, :, :filled].copy_(self.keys)
             value_buffer[:, :, :filled].copy_(self.values)
@@ -69,8 +94,8 @@ class KVPiece:
 
 
 class FullAttentionAdapter:
-    def working_layer(self, capacity: int) -> DynamicLayer:
-        return GrowableKVLayer(capacity)
+    def working_layer(self, capacity: int, pool: BufferPool, slot: int) -> DynamicLayer:
+        return GrowableKVLayer(capacity, pool, slot)
 
     def extract(self, layer: DynamicLayer, start: int, end: int) -> KVPiece:
         return KVPiece(layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone())
@@ -100,11 +125,16 @@ class ModelStateAdapter:
         self.specs = tuple(specs)
         self._config = config
         self._adapters = tuple(ADAPTERS[type(spec)] for spec in specs)
+        self._pool = BufferPool()
 
     def new_cache(self, capacity: int) -> DynamicCache:
-        """A working cache sized for `capacity` tokens (prompt plus the reply's budget)."""
+        """A working cache sized for `capacity` tokens (prompt plus the reply's budget).
+
+        Its buffers are reused by the next `new_cache`: one working cache is live at a time.
+        """
         cache = DynamicCache(config=self._config)
-        cache.layers = [adapter.working_layer(capacity) for adapter in self._adapters]
+        cache.layers = [adapter.working_layer(capacity, self._pool, slot)
+                        for slot, adapter in enumerate(self._adapters)]
         return cache
 
     def extract(self, cache: DynamicCache, start: int, end: int) -> SpanState:

@@ -1,0 +1,1 @@
+"""Signed usage metering: prices, usage records, the hash-chained ledger, Merkle tree heads, audits."""

@@ -1,0 +1,253 @@
+"""The signed usage record of one completion: token counts, the prices charged, the cost, and ids.
+
+A record carries counts and identifiers only. It never holds prompt or completion text, nor any
+hash of it: a digest of short or guessable text can be reversed by trying candidates, and the
+ledger is read by people who must not learn what callers asked.
+
+In JSON, wei amounts are decimal strings (RFC 8785 section 6: integers beyond 2**53 - 1 have no
+exact JSON number form, and a day of tokens at wei prices exceeds that); every other number is a
+JSON integer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal
+
+from metering.canonical import CanonicalJsonError, canonical_json, wei_from_json, wei_to_json
+from metering.pricing import PriceSchedule, PricingError
+from metering.signer import signed_payload
+
+RecordStatus = Literal["completed", "failed", "cancelled"]
+STATUSES: tuple[RecordStatus, ...] = ("completed", "failed", "cancelled")
+
+ZERO_HASH = "0" * 64
+"""`prev_hash` of the first record in a segment."""
+
+UNSIGNED = ""
+"""`signature` of a draft record that has not been signed yet; never written to a ledger."""
+
+MAX_ID_CHARS = 256
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX128 = re.compile(r"[0-9a-f]{128}")
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
+_BOOT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class RecordError(ValueError):
+    """A usage record or its JSON is invalid; the message names the field."""
+
+
+class CostMismatch(RecordError):
+    """A record's `cost_wei` is not what its counts and prices give."""
+
+
+def check_boot_id(boot_id: object) -> str:
+    """Boot ids name segment files, so they are restricted to 1-64 of [A-Za-z0-9_-]."""
+    if not isinstance(boot_id, str) or not _BOOT_ID.fullmatch(boot_id):
+        raise RecordError(f"boot_id must be 1-64 characters of A-Z a-z 0-9 _ -, got {boot_id!r}")
+    return boot_id
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCounts:
+    """Token counts of one completion.
+
+    `input_tokens` is the whole prompt (as OpenAI clients expect); of it, `cached_read_tokens` were
+    served from reused state and `cached_write_tokens` were newly stored for reuse. The two cached
+    classes are disjoint parts of the prompt, so together they never exceed `input_tokens`.
+    """
+
+    input_tokens: int
+    cached_read_tokens: int
+    cached_write_tokens: int
+    output_tokens: int
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if type(value) is not int or value < 0:
+                raise RecordError(f"{field.name} must be a non-negative integer, got {value!r}")
+        if self.cached_read_tokens + self.cached_write_tokens > self.input_tokens:
+            raise RecordError(
+                f"cached_read_tokens ({self.cached_read_tokens}) + cached_write_tokens "
+                f"({self.cached_write_tokens}) exceed input_tokens ({self.input_tokens}); cached "
+                "tokens are part of the prompt, so count them in input_tokens too"
+            )
+
+    @property
+    def uncached_input_tokens(self) -> int:
+        """Prompt tokens charged at the plain input price."""
+        return self.input_tokens - self.cached_read_tokens - self.cached_write_tokens
+
+
+def cost_wei(counts: TokenCounts, prices: PriceSchedule) -> int:
+    """The charge for a completion, in wei."""
+    return (
+        counts.uncached_input_tokens * prices.input_price_wei
+        + counts.cached_read_tokens * prices.cached_read_price_wei
+        + counts.cached_write_tokens * prices.cached_write_price_wei
+        + counts.output_tokens * prices.output_price_wei
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """One ledger entry. `signature` is Ed25519 over the canonical JSON of all other fields."""
+
+    record_id: str  # the completion id the caller saw
+    seq: int  # position in the segment, from 0, no gaps
+    timestamp_ms: int  # Unix epoch milliseconds when the record was appended
+    node_key_id: str  # `NodeSigner.key_id` of the signing key
+    boot_id: str  # the node start (and ledger segment) this record belongs to
+    caller_id: str
+    model: str
+    status: RecordStatus
+    input_tokens: int
+    cached_read_tokens: int
+    cached_write_tokens: int
+    output_tokens: int
+    input_price_wei: int
+    output_price_wei: int
+    cached_read_price_wei: int
+    cached_write_price_wei: int
+    cost_wei: int  # == cost_wei(self.counts, self.prices), checked on construction
+    prev_hash: str  # SHA-256 hex of the previous record's line, ZERO_HASH for seq 0
+    signature: str  # 128 hex characters, or UNSIGNED for a draft
+
+    def __post_init__(self) -> None:
+        for name in ("record_id", "caller_id", "model"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+                raise RecordError(f"{name} must be a string of 1 to {MAX_ID_CHARS} characters, got {value!r}")
+        for name in ("seq", "timestamp_ms", "cost_wei"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise RecordError(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.node_key_id, str) or not _KEY_ID.fullmatch(self.node_key_id):
+            raise RecordError(f"node_key_id must be 16 lowercase hex characters, got {self.node_key_id!r}")
+        check_boot_id(self.boot_id)
+        if self.status not in STATUSES:
+            raise RecordError(f"status must be one of {', '.join(STATUSES)}, got {self.status!r}")
+        if not isinstance(self.prev_hash, str) or not _HEX64.fullmatch(self.prev_hash):
+            raise RecordError(f"prev_hash must be 64 lowercase hex characters, got {self.prev_hash!r}")
+        if self.signature != UNSIGNED and (
+            not isinstance(self.signature, str) or not _HEX128.fullmatch(self.signature)
+        ):
+            raise RecordError("signature must be 128 lowercase hex characters")
+        try:
+            expected = cost_wei(self.counts, self.prices)
+        except PricingError as exc:
+            raise RecordError(str(exc)) from exc
+        if self.cost_wei != expected:
+            raise CostMismatch(
+                f"cost_wei is {self.cost_wei} but counts and prices give {expected}; "
+                "cost = uncached input * input price + cached reads * read price "
+                "+ cached writes * write price + output * output price"
+            )
+
+    @classmethod
+    def draft(
+        cls,
+        *,
+        record_id: str,
+        seq: int,
+        timestamp_ms: int,
+        node_key_id: str,
+        boot_id: str,
+        caller_id: str,
+        model: str,
+        status: RecordStatus,
+        counts: TokenCounts,
+        prices: PriceSchedule,
+        prev_hash: str,
+    ) -> UsageRecord:
+        """An unsigned record with its cost computed from `counts` and `prices`."""
+        return cls(
+            record_id=record_id,
+            seq=seq,
+            timestamp_ms=timestamp_ms,
+            node_key_id=node_key_id,
+            boot_id=boot_id,
+            caller_id=caller_id,
+            model=model,
+            status=status,
+            **asdict(counts),
+            **prices.to_mapping(),
+            cost_wei=cost_wei(counts, prices),
+            prev_hash=prev_hash,
+            signature=UNSIGNED,
+        )
+
+    def with_signature(self, signature: bytes) -> UsageRecord:
+        return replace(self, signature=signature.hex())
+
+    @property
+    def counts(self) -> TokenCounts:
+        return TokenCounts(
+            self.input_tokens, self.cached_read_tokens, self.cached_write_tokens, self.output_tokens
+        )
+
+    @property
+    def prices(self) -> PriceSchedule:
+        return PriceSchedule(
+            self.input_price_wei,
+            self.output_price_wei,
+            self.cached_read_price_wei,
+            self.cached_write_price_wei,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object form: field names as members, wei amounts as decimal strings."""
+        obj: dict[str, Any] = {field.name: getattr(self, field.name) for field in fields(self)}
+        for name in WEI_FIELDS:
+            obj[name] = wei_to_json(obj[name])
+        return obj
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> UsageRecord:
+        """Parse `to_json` output; exactly the record's members, each of its exact JSON type."""
+        if not isinstance(obj, Mapping):
+            raise RecordError(f"a usage record is a JSON object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - set(RECORD_FIELDS))
+        missing = [name for name in RECORD_FIELDS if name not in obj]
+        if unknown or missing:
+            raise RecordError(
+                f"usage record members differ: unknown {unknown or 'none'}, missing {missing or 'none'}"
+            )
+        values: dict[str, Any] = {}
+        for name in RECORD_FIELDS:
+            value = obj[name]
+            if name in WEI_FIELDS:
+                try:
+                    value = wei_from_json(value, name)
+                except CanonicalJsonError as exc:
+                    raise RecordError(str(exc)) from exc
+            elif name in _INT_FIELDS and type(value) is not int:
+                raise RecordError(f"{name} must be a JSON integer, got {value!r}")
+            elif name not in _INT_FIELDS and not isinstance(value, str):
+                raise RecordError(f"{name} must be a JSON string, got {value!r}")
+            values[name] = value
+        return cls(**values)
+
+    def signing_payload(self) -> bytes:
+        """The bytes `signature` covers."""
+        return signed_payload(self.to_json())
+
+    def canonical_bytes(self) -> bytes:
+        """The record's ledger line, without the newline."""
+        return canonical_json(self.to_json())
+
+    def entry_hash(self) -> str:
+        """SHA-256 hex of the ledger line; the next record's `prev_hash`."""
+        return hashlib.sha256(self.canonical_bytes()).hexdigest()
+
+
+RECORD_FIELDS: tuple[str, ...] = tuple(field.name for field in fields(UsageRecord))
+WEI_FIELDS: tuple[str, ...] = tuple(name for name in RECORD_FIELDS if name.endswith("_wei"))
+_INT_FIELDS = frozenset(
+    {"seq", "timestamp_ms", "input_tokens", "cached_read_tokens", "cached_write_tokens", "output_tokens"}
+)

@@ -1,0 +1,169 @@
+"""Ledger segment files: the on-disk layout shared by the writer (`ledger`) and readers (`verify`, `bill`).
+
+One segment per node start, named `ledger-<boot_id>.jsonl` inside the ledger directory. Every line
+is RFC 8785 canonical JSON followed by "\\n":
+
+    line 1      segment header: format, boot_id, created_ms, node_key_id, public_key, signature
+    line 2 + s  usage record with seq s (s = 0, 1, 2, ...), as `UsageRecord.to_json()`
+
+The header names the key that signs the segment, so the file says which attested key to check it
+against; it is signed by that key and is not a Merkle leaf. Records are the Merkle leaves, leaf
+index = seq, leaf data = the line without its newline. A node never reopens an old segment, so a
+crash can leave at most one torn line, at the end of its own segment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from metering.canonical import CanonicalJsonError, canonical_json, parse_canonical
+from metering.record import RecordError, UsageRecord, check_boot_id
+from metering.signer import NodeSigner, SignatureInvalid, key_id_for, public_key_from_hex, signed_payload
+
+SEGMENT_FORMAT = "tenzro-ledger-segment/1"
+SEGMENT_PREFIX = "ledger-"
+SEGMENT_SUFFIX = ".jsonl"
+
+
+class SegmentFormatError(ValueError):
+    """A segment file does not have the layout above; the message names the file and line."""
+
+
+def segment_path(directory: str | os.PathLike[str], boot_id: str) -> Path:
+    """Where the segment of node start `boot_id` lives."""
+    return Path(directory) / f"{SEGMENT_PREFIX}{check_boot_id(boot_id)}{SEGMENT_SUFFIX}"
+
+
+def segment_files(path: str | os.PathLike[str]) -> list[Path]:
+    """A segment file itself, or every segment in a ledger directory, ordered by name."""
+    path = Path(path)
+    if path.is_dir():
+        return sorted(path.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}"))
+    if not path.exists():
+        raise SegmentFormatError(f"ledger path {path} does not exist; give a segment file or its directory")
+    return [path]
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    """First line of a segment: which node start wrote it and with which public key."""
+
+    format: str
+    boot_id: str
+    created_ms: int
+    node_key_id: str
+    public_key: str  # 64 hex characters, raw Ed25519 public key
+    signature: str  # 128 hex characters over the canonical JSON of the other members
+
+    def __post_init__(self) -> None:
+        if self.format != SEGMENT_FORMAT:
+            raise SegmentFormatError(
+                f"segment format is {self.format!r}; this reader knows {SEGMENT_FORMAT!r}"
+            )
+        check_boot_id(self.boot_id)
+        if type(self.created_ms) is not int or self.created_ms < 0:
+            raise SegmentFormatError(f"created_ms must be a non-negative integer, got {self.created_ms!r}")
+        for name in ("node_key_id", "public_key", "signature"):
+            if not isinstance(getattr(self, name), str):
+                raise SegmentFormatError(f"segment header {name} must be a string")
+        try:
+            key_id = key_id_for(public_key_from_hex(self.public_key))
+        except SignatureInvalid as exc:
+            raise SegmentFormatError(f"segment header public_key: {exc}") from exc
+        if key_id != self.node_key_id:
+            raise SegmentFormatError("segment header node_key_id is not the key id of its public_key")
+
+    @classmethod
+    def create(cls, signer: NodeSigner, boot_id: str, created_ms: int) -> SegmentHeader:
+        body: dict[str, Any] = {
+            "format": SEGMENT_FORMAT,
+            "boot_id": boot_id,
+            "created_ms": created_ms,
+            "node_key_id": signer.key_id,
+            "public_key": signer.public_key_hex,
+        }
+        return cls(**body, signature=signer.sign(signed_payload(body)).hex())
+
+    @classmethod
+    def from_json(cls, obj: Any) -> SegmentHeader:
+        names = [field.name for field in fields(cls)]
+        if not isinstance(obj, Mapping) or sorted(obj) != sorted(names):
+            raise SegmentFormatError(f"a segment header is a JSON object with exactly {', '.join(names)}")
+        try:
+            return cls(**obj)
+        except ValueError as exc:  # RecordError and SegmentFormatError are ValueErrors
+            raise SegmentFormatError(f"invalid segment header: {exc}") from exc
+
+    def to_json(self) -> dict[str, Any]:
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+    def canonical_bytes(self) -> bytes:
+        return canonical_json(self.to_json())
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentLine:
+    number: int  # 1-based line number in the file
+    raw: bytes  # the line without its trailing newline
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentContents:
+    """A segment file split into lines, without judging them."""
+
+    path: Path
+    lines: tuple[SegmentLine, ...]  # newline-terminated lines, header first
+    torn_tail: SegmentLine | None  # an interrupted final write, if any
+
+
+def read_segment(path: str | os.PathLike[str]) -> SegmentContents:
+    """Split a segment into lines. The final line is torn when it lacks its newline or is not JSON
+    at all: both are what an interrupted append leaves, and neither ever became a record."""
+    path = Path(path)
+    pieces = path.read_bytes().split(b"\n")
+    tail = pieces.pop()  # b"" when the file ends with a newline
+    lines = [SegmentLine(number, raw) for number, raw in enumerate(pieces, start=1)]
+    torn: SegmentLine | None = None
+    if tail:
+        torn = SegmentLine(len(pieces) + 1, tail)
+    elif lines and not _is_json(lines[-1].raw):
+        torn = lines.pop()
+    return SegmentContents(path, tuple(lines), torn)
+
+
+def _is_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError both derive from it
+        return False
+    return True
+
+
+def parse_header(line: SegmentLine, path: Path) -> SegmentHeader:
+    try:
+        return SegmentHeader.from_json(parse_canonical(line.raw))
+    except (CanonicalJsonError, SegmentFormatError) as exc:
+        raise SegmentFormatError(f"{path} line {line.number}: {exc}") from exc
+
+
+def read_records(path: str | os.PathLike[str]) -> tuple[SegmentHeader, list[UsageRecord]]:
+    """Parse a segment without checking signatures or the chain (that is `verify_segment`'s job).
+
+    A torn final line is left out, as it never became a record; any other bad line is an error.
+    """
+    contents = read_segment(path)
+    if not contents.lines:
+        raise SegmentFormatError(f"{contents.path} has no complete header line")
+    header = parse_header(contents.lines[0], contents.path)
+    records = []
+    for line in contents.lines[1:]:
+        try:
+            records.append(UsageRecord.from_json(parse_canonical(line.raw)))
+        except (CanonicalJsonError, RecordError) as exc:
+            raise SegmentFormatError(f"{contents.path} line {line.number}: {exc}") from exc
+    return header, records

@@ -1,0 +1,212 @@
+"""Usage records: exact cost arithmetic, validation, and the exact signed JSON form."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from ledger_fixtures import NODE_SEED, PRICES
+
+from metering.pricing import DEFAULT_PRICING, PriceSchedule
+from metering.record import (
+    RECORD_FIELDS,
+    UNSIGNED,
+    ZERO_HASH,
+    CostMismatch,
+    RecordError,
+    TokenCounts,
+    UsageRecord,
+    cost_wei,
+)
+from metering.signer import NodeSigner, verify_signed_object
+
+
+def make_draft(**changes: Any) -> UsageRecord:
+    fields: dict[str, Any] = dict(
+        record_id="chatcmpl-1",
+        seq=0,
+        timestamp_ms=1_700_000_000_000,
+        node_key_id=NodeSigner.from_seed(NODE_SEED).key_id,
+        boot_id="boot-a",
+        caller_id="caller-a",
+        model="tiny",
+        status="completed",
+        counts=TokenCounts(1200, 1000, 150, 300),
+        prices=DEFAULT_PRICING,
+        prev_hash=ZERO_HASH,
+    )
+    fields.update(changes)
+    return UsageRecord.draft(**fields)
+
+
+def test_cost_splits_the_prompt_into_uncached_read_and_write() -> None:
+    counts = TokenCounts(
+        input_tokens=1200, cached_read_tokens=1000, cached_write_tokens=150, output_tokens=300
+    )
+    # 50 * 1e9 + 1000 * 1e8 + 150 * 1.25e9 + 300 * 4e9
+    assert counts.uncached_input_tokens == 50
+    assert cost_wei(counts, DEFAULT_PRICING) == 1_537_500_000_000
+
+
+def test_cost_with_small_prices() -> None:
+    # (105 - 50 - 5) * 3 + 50 * 1 + 5 * 5 + 25 * 11
+    assert cost_wei(TokenCounts(105, 50, 5, 25), PRICES) == 150 + 50 + 25 + 275 == 500
+
+
+def test_cost_is_exact_far_beyond_float_precision() -> None:
+    prices = PriceSchedule(10**18 + 1, 10**18 + 3, 10**17 + 7, 10**18 + 9)
+    counts = TokenCounts(2_000_001, 1_000_000, 500_000, 777_777)
+    expected = (
+        500_001 * (10**18 + 1) + 1_000_000 * (10**17 + 7) + 500_000 * (10**18 + 9) + 777_777 * (10**18 + 3)
+    )
+    assert cost_wei(counts, prices) == expected == 1_877_778_000_000_000_014_333_332
+
+
+def test_cached_tokens_may_equal_but_not_exceed_the_prompt() -> None:
+    assert TokenCounts(10, 6, 4, 0).uncached_input_tokens == 0
+    with pytest.raises(
+        RecordError, match=r"cached_read_tokens \(6\) \+ cached_write_tokens \(5\) exceed input_tokens \(10\)"
+    ):
+        TokenCounts(10, 6, 5, 0)
+
+
+@pytest.mark.parametrize(
+    ("counts", "message"),
+    [
+        ((-1, 0, 0, 0), "input_tokens must be a non-negative integer, got -1"),
+        ((5, 0, 0, -2), "output_tokens must be a non-negative integer, got -2"),
+        ((5, 1.0, 0, 0), "cached_read_tokens must be a non-negative integer, got 1.0"),
+        ((5, 0, True, 0), "cached_write_tokens must be a non-negative integer, got True"),
+    ],
+)
+def test_counts_must_be_non_negative_ints(counts: tuple[Any, ...], message: str) -> None:
+    with pytest.raises(RecordError, match=message):
+        TokenCounts(*counts)
+
+
+def test_draft_copies_counts_and_prices_and_computes_cost() -> None:
+    draft = make_draft()
+    assert draft.counts == TokenCounts(1200, 1000, 150, 300)
+    assert draft.prices == DEFAULT_PRICING
+    assert draft.cost_wei == 1_537_500_000_000
+    assert draft.signature == UNSIGNED
+
+
+def test_record_with_wrong_cost_is_rejected() -> None:
+    with pytest.raises(CostMismatch, match="cost_wei is 1 but counts and prices give 1537500000000"):
+        replace(make_draft(), cost_wei=1)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"status": "done"}, "status must be one of completed, failed, cancelled, got 'done'"),
+        ({"record_id": ""}, "record_id must be a string of 1 to 256 characters"),
+        ({"caller_id": "x" * 257}, "caller_id must be a string of 1 to 256 characters"),
+        ({"boot_id": "../etc"}, "boot_id must be 1-64 characters of A-Z a-z 0-9 _ -"),
+        ({"node_key_id": "ABCDEF0123456789"}, "node_key_id must be 16 lowercase hex characters"),
+        ({"prev_hash": "0" * 63}, "prev_hash must be 64 lowercase hex characters"),
+        ({"seq": -1}, "seq must be a non-negative integer, got -1"),
+    ],
+)
+def test_invalid_fields_name_the_field(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(RecordError, match=message):
+        make_draft(**changes)
+
+
+def test_signature_must_be_128_lowercase_hex() -> None:
+    with pytest.raises(RecordError, match="signature must be 128 lowercase hex characters"):
+        replace(make_draft(), signature="AB" * 64)
+
+
+def test_statuses_failed_and_cancelled_are_records_too() -> None:
+    assert make_draft(status="failed").status == "failed"
+    assert make_draft(status="cancelled", counts=TokenCounts(5, 0, 0, 0)).cost_wei == 5 * 10**9
+
+
+def test_record_carries_counts_and_ids_only() -> None:
+    assert RECORD_FIELDS == (
+        "record_id",
+        "seq",
+        "timestamp_ms",
+        "node_key_id",
+        "boot_id",
+        "caller_id",
+        "model",
+        "status",
+        "input_tokens",
+        "cached_read_tokens",
+        "cached_write_tokens",
+        "output_tokens",
+        "input_price_wei",
+        "output_price_wei",
+        "cached_read_price_wei",
+        "cached_write_price_wei",
+        "cost_wei",
+        "prev_hash",
+        "signature",
+    )
+
+
+NODE_KEY_ID = "56475aa75463474c"  # key_id of NODE_SEED's public key
+SIGNATURE = (
+    "f26dd3bea49bdb4e3fe51a000629e30ba986b7e4e2d9640a6b8090376e072ed7"
+    "8701d4e3d449d4dc153d0cf6a7e99d7cc43e6b7677bb856a6130f7548104e903"
+)
+PAYLOAD = (
+    b'{"boot_id":"boot-a","cached_read_price_wei":"100000000","cached_read_tokens":1000,'
+    b'"cached_write_price_wei":"1250000000","cached_write_tokens":150,"caller_id":"caller-a",'
+    b'"cost_wei":"1537500000000","input_price_wei":"1000000000","input_tokens":1200,'
+    b'"model":"tiny","node_key_id":"56475aa75463474c","output_price_wei":"4000000000",'
+    b'"output_tokens":300,"prev_hash":"0000000000000000000000000000000000000000000000000000000000000000",'
+    b'"record_id":"chatcmpl-1","seq":0,"status":"completed","timestamp_ms":1700000000000}'
+)
+
+
+def test_exact_signing_payload_signature_and_line() -> None:
+    signer = NodeSigner.from_seed(NODE_SEED)
+    assert signer.key_id == NODE_KEY_ID
+    draft = make_draft()
+    assert draft.signing_payload() == PAYLOAD
+    record = draft.with_signature(signer.sign(PAYLOAD))
+    assert record.signature == SIGNATURE
+    verify_signed_object(signer.public_key_hex, record.to_json())
+    # The line is the payload with the signature member in its sorted place.
+    assert record.canonical_bytes() == PAYLOAD.replace(
+        b',"status"', b',"signature":"' + SIGNATURE.encode() + b'","status"'
+    )
+    assert record.entry_hash() == "fa305c6f437f0baafafc968845922832bcec9dc857165003f4359275c646165e"
+
+
+def test_json_round_trip_with_wei_as_strings() -> None:
+    record = make_draft(prices=PriceSchedule(10**18, 10**18, 10**17, 10**18))
+    obj = record.to_json()
+    assert obj["cost_wei"] == "600000000000000000000"  # (50 + 150 + 300) * 1e18 + 1000 * 1e17
+    assert obj["input_tokens"] == 1200
+    assert UsageRecord.from_json(obj) == record
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"extra": 1}, r"unknown \['extra'\], missing none"),
+        ({"signature": None}, "signature must be a JSON string"),
+        ({"seq": True}, "seq must be a JSON integer, got True"),
+        ({"input_tokens": "1200"}, "input_tokens must be a JSON integer"),
+        ({"cost_wei": 1537500000000}, "cost_wei must be a decimal string"),
+        ({"input_price_wei": "01000000000"}, "input_price_wei must not have leading zeros"),
+        ({"model": 5}, "model must be a JSON string"),
+    ],
+)
+def test_from_json_requires_exact_members_and_types(changes: dict[str, Any], message: str) -> None:
+    obj = {**make_draft().to_json(), **changes}
+    with pytest.raises(RecordError, match=message):
+        UsageRecord.from_json(obj)
+
+
+def test_from_json_names_missing_members() -> None:
+    obj = make_draft().to_json()
+    del obj["prev_hash"]
+    with pytest.raises(RecordError, match=r"unknown none, missing \['prev_hash'\]"):
+        UsageRecord.from_json(obj)

@@ -1,0 +1,126 @@
+"""Signed tree heads and the JSON proofs handed to auditors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ledger_fixtures import LedgerFactory
+
+from metering.signer import NodeSigner
+from metering.tree_head import ConsistencyProof, InclusionProof, TreeHead, TreeHeadError, load_tree_head
+
+ROOT = bytes.fromhex("5dc9da79a70659a9ad559cb701ded9a2ab9d823aad2f4960cfe370eff4604328")
+
+
+def test_exact_signed_tree_head(node_signer: NodeSigner) -> None:
+    head = TreeHead.sign(node_signer, 8, ROOT, 1_700_000_000_000)
+    assert head.to_json() == {
+        "size": 8,
+        "root_hash_hex": ROOT.hex(),
+        "timestamp_ms": 1_700_000_000_000,
+        "key_id": "56475aa75463474c",
+        "signature": head.signature,
+    }
+    assert len(head.signature) == 128
+    assert (
+        head.signature == TreeHead.sign(node_signer, 8, ROOT, 1_700_000_000_000).signature
+    )  # Ed25519 is deterministic
+    head.verify(node_signer.public_key_hex)
+    assert head.root_hash == ROOT
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"size": 7}, "does not verify"),
+        ({"timestamp_ms": 1}, "does not verify"),
+        ({"signature": "00"}, "128 hex"),
+    ],
+)
+def test_changed_tree_head_fails(node_signer: NodeSigner, changes: dict[str, Any], message: str) -> None:
+    head = replace(TreeHead.sign(node_signer, 8, ROOT, 5), **changes)
+    with pytest.raises(TreeHeadError, match=message):
+        head.verify(node_signer.public_key_hex)
+
+
+def test_tree_head_of_another_key_fails(node_signer: NodeSigner, other_signer: NodeSigner) -> None:
+    with pytest.raises(
+        TreeHeadError, match=f"names key {other_signer.key_id}, not the node key {node_signer.key_id}"
+    ):
+        TreeHead.sign(other_signer, 8, ROOT, 5).verify(node_signer.public_key_hex)
+
+
+def test_from_json_and_file(node_signer: NodeSigner, tmp_path: Path) -> None:
+    head = TreeHead.sign(node_signer, 8, ROOT, 5)
+    assert TreeHead.from_json(head.to_json()) == head
+    path = tmp_path / "head.json"
+    path.write_text(json.dumps(head.to_json(), indent=4))
+    assert load_tree_head(path) == head
+
+
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        ({"size": 1}, "exactly size, root_hash_hex, timestamp_ms, key_id, signature"),
+        (
+            {"size": -1, "root_hash_hex": "00" * 32, "timestamp_ms": 0, "key_id": "k", "signature": "s"},
+            "size must be",
+        ),
+        (
+            {"size": 1, "root_hash_hex": "AB" * 32, "timestamp_ms": 0, "key_id": "k", "signature": "s"},
+            "lowercase hex",
+        ),
+    ],
+)
+def test_malformed_tree_heads(obj: dict[str, object], message: str) -> None:
+    with pytest.raises(TreeHeadError, match=message):
+        TreeHead.from_json(obj)
+
+
+def test_unreadable_tree_head_file(tmp_path: Path) -> None:
+    with pytest.raises(TreeHeadError, match="cannot be read as JSON"):
+        load_tree_head(tmp_path / "missing.json")
+
+
+def test_inclusion_proof_json_and_tampering(make_ledger: LedgerFactory, node_signer: NodeSigner) -> None:
+    ledger = make_ledger(node_signer, records=5)
+    head = ledger.tree_head()
+    proof = ledger.inclusion_proof("chatcmpl-2")
+    assert proof.to_json() == {
+        "record_id": "chatcmpl-2",
+        "leaf_index": 2,
+        "tree_size": 5,
+        "audit_path": list(proof.audit_path),
+    }
+    assert len(proof.audit_path) == 3
+    record = ledger.get("chatcmpl-2")
+    assert record is not None
+    proof.verify(record, head, node_signer.public_key_hex)
+
+    flipped = ("f" if proof.audit_path[0][0] != "f" else "e") + proof.audit_path[0][1:]
+    with pytest.raises(TreeHeadError, match="does not lead to the given root"):
+        replace(proof, audit_path=(flipped, *proof.audit_path[1:])).verify(
+            record, head, node_signer.public_key_hex
+        )
+    with pytest.raises(TreeHeadError, match="proof is for a tree of 5 records, the head has 4"):
+        proof.verify(record, ledger.tree_head(4), node_signer.public_key_hex)
+    with pytest.raises(TreeHeadError, match="record chatcmpl-2: signature does not verify"):
+        proof.verify(replace(record, output_tokens=0, cost_wei=276), head, node_signer.public_key_hex)
+    with pytest.raises(TreeHeadError, match="audit_path must be a list of 64-character lowercase hex hashes"):
+        InclusionProof("chatcmpl-2", 2, 5, ("xyz",)).verify(record, head, node_signer.public_key_hex)
+
+
+def test_consistency_proof_json_and_tampering(make_ledger: LedgerFactory, node_signer: NodeSigner) -> None:
+    ledger = make_ledger(node_signer, records=6)
+    old, new = ledger.tree_head(2), ledger.tree_head()
+    proof = ledger.consistency_proof(2)
+    assert proof.to_json() == {"old_size": 2, "new_size": 6, "path": list(proof.path)}
+    proof.verify(old, new, node_signer.public_key_hex)
+    with pytest.raises(TreeHeadError, match="proof is from 2 to 6 records, the heads are 3 and 6"):
+        proof.verify(ledger.tree_head(3), new, node_signer.public_key_hex)
+    with pytest.raises(TreeHeadError, match="consistency proof"):
+        ConsistencyProof(2, 6, proof.path[:-1]).verify(old, new, node_signer.public_key_hex)

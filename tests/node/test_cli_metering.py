@@ -1,0 +1,207 @@
+"""`tenzro metering verify|bill` and `tenzro provider pricing set|show`, driven through argparse."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from metering.ledger import Ledger
+from metering.merkle import MerkleTree
+from metering.pricing import PriceSchedule, load_pricing
+from metering.record import RecordStatus, TokenCounts
+from metering.signer import NodeSigner
+from metering.tree_head import TreeHead
+from node.cli_metering import add_metering_commands, parse_time_ms
+
+PRICES = PriceSchedule(
+    input_price_wei=3, output_price_wei=11, cached_read_price_wei=1, cached_write_price_wei=5
+)
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="tenzro")
+    add_metering_commands(parser.add_subparsers(dest="group", required=True))
+    args = parser.parse_args(argv)
+    code = args.func(args)
+    return code, capsys.readouterr().out
+
+
+@pytest.fixture
+def signer() -> NodeSigner:
+    return NodeSigner.from_seed(bytes(range(32)))
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, signer: NodeSigner) -> Ledger:
+    clock = iter(range(1_700_000_000_000, 1_700_000_100_000, 1000))
+    ledger = Ledger(tmp_path / "ledger", signer, "boot-1", clock_ms=lambda: next(clock))
+    rows: list[tuple[str, str, RecordStatus, TokenCounts]] = [
+        ("caller-a", "tiny", "completed", TokenCounts(100, 60, 10, 20)),  # 30*3 + 60 + 50 + 220 = 420
+        ("caller-b", "tiny", "completed", TokenCounts(5, 0, 0, 5)),
+        ("caller-a", "tiny", "cancelled", TokenCounts(40, 0, 40, 0)),  # 200
+        ("caller-a", "big", "completed", TokenCounts(1000, 1000, 0, 1)),  # 1000 + 11
+    ]
+    for index, (caller, model, status, counts) in enumerate(rows):
+        ledger.append(
+            record_id=f"chatcmpl-{index}",
+            caller_id=caller,
+            model=model,
+            status=status,
+            counts=counts,
+            prices=PRICES,
+        )
+    ledger.close()
+    return ledger
+
+
+def test_every_command_sets_func() -> None:
+    parser = argparse.ArgumentParser(prog="tenzro")
+    add_metering_commands(parser.add_subparsers(dest="group", required=True))
+    for argv in (
+        ["metering", "verify", "x", "--node-key", "00"],
+        ["metering", "bill", "x", "--caller", "c"],
+        ["provider", "pricing", "set"],
+        ["provider", "pricing", "show"],
+    ):
+        assert callable(parser.parse_args(argv).func)
+
+
+def test_verify_ok(ledger: Ledger, signer: NodeSigner, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(["metering", "verify", str(ledger.path), "--node-key", signer.public_key_hex], capsys)
+    assert code == 0
+    assert out.startswith(f"OK {ledger.path}: 4 records verified under key {signer.key_id}; Merkle root ")
+
+
+def test_verify_names_the_first_bad_record(
+    ledger: Ledger, signer: NodeSigner, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = ledger.path.read_bytes().split(b"\n")
+    lines[2] = lines[2].replace(b'"output_tokens":5,', b'"output_tokens":4,')  # seq 1
+    ledger.path.write_bytes(b"\n".join(lines))
+    code, out = run(["metering", "verify", str(ledger.path), "--node-key", signer.public_key_hex], capsys)
+    assert code == 1
+    assert out.splitlines() == [
+        f"FAILED {ledger.path}: line 3, seq 1, record chatcmpl-1: bad-signature: signature does not verify "
+        f"under public key {signer.key_id}; the data or the signature was changed, or another key signed it",
+        f"1 records before it verified under key {signer.key_id}",
+    ]
+
+
+def test_verify_with_tree_head_file(
+    ledger: Ledger, signer: NodeSigner, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    head_path = tmp_path / "head.json"
+    record_lines = ledger.path.read_bytes().split(b"\n")[1:-1]
+    head = TreeHead.sign(signer, 4, MerkleTree.from_leaves(record_lines).root(), 1)
+    head_path.write_text(json.dumps(head.to_json()))
+    args = [
+        "metering",
+        "verify",
+        str(ledger.path),
+        "--node-key",
+        signer.public_key_hex,
+        "--tree-head",
+        str(head_path),
+    ]
+    code, out = run(args, capsys)
+    assert code == 0
+    assert ", tree head of 4 records; Merkle root " + head.root_hash_hex in out
+
+    ledger.path.write_bytes(
+        b"\n".join(ledger.path.read_bytes().split(b"\n")[:-2]) + b"\n"
+    )  # last record deleted
+    code, out = run(args, capsys)
+    assert code == 1
+    assert out.splitlines()[0] == (
+        f"FAILED {ledger.path}: seq 3: missing-records: the tree head covers 4 records, the segment has 3: "
+        "records were deleted from the end"
+    )
+
+
+def test_verify_with_unusable_key(ledger: Ledger, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(["metering", "verify", str(ledger.path), "--node-key", "xyz"], capsys)
+    assert code == 1
+    assert out == "cannot verify: public key must be 64 hex characters, got 'xyz'\n"
+
+
+def test_bill_prints_rows_and_totals(ledger: Ledger, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(["metering", "bill", str(ledger.path.parent), "--caller", "caller-a"], capsys)
+    assert code == 0
+    assert out.splitlines() == [
+        "caller caller-a, from start ms to now ms, 1 segment(s)",
+        "model  status     records  input  cached_read  cached_write  output  cost_wei",
+        "big    completed        1   1000         1000             0       1      1011",
+        "tiny   cancelled        1     40            0            40       0       200",
+        "tiny   completed        1    100           60            10      20       420",
+        "TOTAL                   3   1140         1060            50      21      1631",
+    ]
+
+
+def test_bill_window_in_iso_and_ms(ledger: Ledger, capsys: pytest.CaptureFixture[str]) -> None:
+    # The header took 1700000000000; records are stamped 1700000001000 + 1000 * seq.
+    argv = ["metering", "bill", str(ledger.path), "--caller", "caller-a"]
+    code, out = run([*argv, "--since", "2023-11-14T22:13:22Z", "--until", "1700000004000"], capsys)
+    assert code == 0
+    assert out.splitlines()[0] == "caller caller-a, from 1700000002000 ms to 1700000004000 ms, 1 segment(s)"
+    assert out.splitlines()[-1].split() == ["TOTAL", "1", "40", "0", "40", "0", "200"]
+
+
+def test_bill_with_bad_time(ledger: Ledger, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(["metering", "bill", str(ledger.path), "--caller", "a", "--since", "yesterday"], capsys)
+    assert code == 1
+    assert (
+        out == "cannot bill: 'yesterday' is neither Unix milliseconds nor ISO 8601 (2025-01-31T12:00:00Z)\n"
+    )
+
+
+def test_parse_time_ms() -> None:
+    assert parse_time_ms("1700000000000") == 1_700_000_000_000
+    assert parse_time_ms("2023-11-14T22:13:20Z") == 1_700_000_000_000
+    assert parse_time_ms("2023-11-14T22:13:20") == 1_700_000_000_000  # no offset: UTC
+    assert parse_time_ms("2023-11-15T00:13:20.5+02:00") == 1_700_000_000_500
+
+
+def test_pricing_set_starts_from_defaults_and_show(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TENZRO_HOME", str(tmp_path / "home"))
+    code, out = run(
+        ["provider", "pricing", "set", "--input-price-wei", "7", "--price-per-cached-read-token-wei", "1"],
+        capsys,
+    )
+    path = tmp_path / "home" / "pricing.yaml"
+    assert code == 0
+    assert out.splitlines() == [
+        f"prices written to {path}",
+        "input-price-wei: 7",
+        "output-price-wei: 4000000000",
+        "price-per-cached-read-token-wei: 1",
+        "price-per-cached-write-token-wei: 1250000000",
+    ]
+    assert load_pricing(path) == PriceSchedule(7, 4_000_000_000, 1, 1_250_000_000)
+
+    code, out = run(["provider", "pricing", "set", "--output-price-wei", "9"], capsys)
+    assert load_pricing(path) == PriceSchedule(7, 9, 1, 1_250_000_000)
+    code, out = run(["provider", "pricing", "show"], capsys)
+    assert code == 0
+    assert out.splitlines()[0] == f"prices in {path}"
+    assert out.splitlines()[2] == "output-price-wei: 9"
+
+
+def test_pricing_with_explicit_file_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "p.yaml"
+    code, out = run(["provider", "pricing", "show", "--pricing", str(path)], capsys)
+    assert code == 1
+    assert out == (
+        f"cannot show pricing: price file {path} does not exist; "
+        "create it with `tenzro provider pricing set`\n"
+    )
+    code, out = run(
+        ["provider", "pricing", "set", "--pricing", str(path), "--output-price-wei", "-1"], capsys
+    )
+    assert code == 1
+    assert out == "cannot set pricing: output_price_wei must be a non-negative integer (wei), got -1\n"
+    assert not path.exists()
