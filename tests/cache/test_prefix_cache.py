@@ -1,0 +1,116 @@
+"""The prefix cache over real tensors: exact byte accounting, budgets, LRU order and scope isolation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import LlamaConfig
+
+from cache.adapters import KVPiece, ModelStateAdapter, SpanState
+from cache.arena import Scope
+from cache.prefix_cache import CacheBudget, PrefixCache
+from cache.state_spec import model_state_specs
+
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 4
+BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 4  # K and V, float32
+ALICE, BOB = Scope("alice", "m"), Scope("bob", "m")
+
+
+def make_cache(node_tokens: int = 10_000, caller_tokens: int = 10_000) -> PrefixCache:
+    config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         num_hidden_layers=LAYERS, intermediate_size=8, vocab_size=100)
+    cache = PrefixCache(CacheBudget(node_tokens * BYTES_PER_TOKEN, caller_tokens * BYTES_PER_TOKEN))
+    cache.register_model("m", ModelStateAdapter(model_state_specs(config), config))
+    return cache
+
+
+def state_of(tokens: list[int]) -> Callable[[int, int], SpanState]:
+    """K/V whose every element is the token id, so restored state shows which tokens it came from."""
+
+    def extract(start: int, end: int) -> SpanState:
+        values = torch.tensor(tokens[start:end], dtype=torch.float32).view(1, 1, -1, 1)
+        kv = values.expand(1, KV_HEADS, end - start, HEAD_DIM).clone()
+        return tuple(KVPiece(kv.clone(), kv.clone()) for _ in range(LAYERS))
+
+    return extract
+
+
+def store(cache: PrefixCache, scope: Scope, tokens: list[int]) -> int:
+    return cache.store(scope, tokens, state_of(tokens)).stored
+
+
+def test_bytes_are_exact_tensor_bytes_and_splits_keep_them() -> None:
+    cache = make_cache()
+    assert store(cache, ALICE, list(range(10))) == 10
+    assert cache.arena.bytes_total == 10 * BYTES_PER_TOKEN
+    assert store(cache, ALICE, list(range(5)) + [50, 51, 52]) == 3
+    assert cache.arena.bytes_total == 13 * BYTES_PER_TOKEN
+    assert len(cache.arena) == 3  # [0,5), [5,10), [5,8) after the split
+    assert store(cache, ALICE, list(range(10))) == 0
+
+
+def test_lease_restores_the_right_tokens_across_spans() -> None:
+    cache = make_cache()
+    store(cache, ALICE, list(range(10)))
+    store(cache, ALICE, list(range(5)) + [50, 51, 52])
+    lease = cache.acquire(ALICE, list(range(5)) + [50, 51, 99], limit=100)
+    assert lease.length == 7
+    pieces = cache.restore_list(lease)
+    restored = torch.cat([state[0].keys[:, :, :take] for state, take in pieces], dim=2)
+    assert restored[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 50, 51]
+    cache.release(lease)
+    assert cache.acquire(ALICE, list(range(10)), limit=9).length == 9
+
+
+def test_scopes_never_share_state() -> None:
+    cache = make_cache()
+    store(cache, ALICE, list(range(20)))
+    assert cache.acquire(BOB, list(range(20)), limit=19).length == 0
+    assert cache.acquire(Scope("alice", "other-model"), list(range(20)), limit=19).length == 0
+    assert store(cache, BOB, list(range(20))) == 20
+    assert cache.arena.bytes_of_caller("alice") == cache.arena.bytes_of_caller("bob") == 20 * BYTES_PER_TOKEN
+
+
+def test_caller_budget_evicts_that_callers_least_recently_used_leaves_first() -> None:
+    cache = make_cache(caller_tokens=25)
+    store(cache, ALICE, [1] + list(range(100, 110)))  # 11 tokens
+    store(cache, ALICE, [2] + list(range(200, 210)))  # 11 tokens
+    store(cache, BOB, [1] + list(range(100, 110)))
+    cache.acquire(ALICE, [1, 100], limit=2)  # touch the first: now the second is least recent
+    store(cache, ALICE, [3] + list(range(300, 305)))  # 6 more: 28 > 25, evict one
+    assert cache.cached_tokens(ALICE) == 17
+    assert cache.acquire(ALICE, [2, 200], limit=2).length == 0
+    assert cache.acquire(ALICE, [1, 100], limit=2).length == 2
+    assert cache.cached_tokens(BOB) == 11
+    assert cache.evicted_spans == 1
+
+
+def test_node_budget_evicts_across_callers_by_recency_and_never_a_leased_span() -> None:
+    cache = make_cache(node_tokens=30)
+    store(cache, ALICE, [1] * 12)
+    store(cache, BOB, [2] * 12)
+    lease = cache.acquire(ALICE, [1] * 12, limit=11)  # Alice's span is older but held
+    store(cache, BOB, [3] * 12)  # 36 > 30
+    assert cache.cached_tokens(ALICE) == 12
+    assert cache.cached_tokens(BOB) == 12
+    assert cache.acquire(BOB, [2] * 12, limit=11).length == 0
+    cache.release(lease)
+    assert cache.arena.bytes_total == 24 * BYTES_PER_TOKEN
+
+
+def test_an_interior_node_becomes_evictable_once_its_children_are_gone() -> None:
+    cache = make_cache(caller_tokens=8)
+    store(cache, ALICE, [1, 2, 3, 4, 5])
+    store(cache, ALICE, [1, 2, 3, 9, 9])  # split: [1,2,3] + [4,5] + [9,9] = 7 tokens
+    store(cache, ALICE, [7, 7, 7, 7, 7, 7, 7])  # 14 > 8: evicts [4,5], [9,9], then [1,2,3]
+    assert cache.cached_tokens(ALICE) == 7
+    assert cache.evicted_spans == 3
+
+
+def test_dropping_a_scope_frees_all_its_bytes() -> None:
+    cache = make_cache()
+    store(cache, ALICE, list(range(30)))
+    store(cache, ALICE, list(range(10)) + [7])
+    cache.drop_scope(ALICE)
+    assert cache.arena.bytes_total == 0 and len(cache.arena) == 0

@@ -1,0 +1,106 @@
+"""Reuse against the model itself: resumed logits equal one full pass; greedy output is unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache.arena import Scope
+from cache.prefix_cache import CacheBudget, PrefixCache
+from node.engine.loader import LoadedModel, load_model
+from node.engine.runner import GenerationRequest, Runner
+from node.engine.sampling import SamplingParams
+
+TOLERANCE = 1e-4  # float32; logits are of order 1 to 10
+SCOPE = Scope("alice", "small")
+
+
+@pytest.fixture(scope="module")
+def loaded(small_model_dir: Path) -> LoadedModel:
+    return load_model("small", small_model_dir)
+
+
+def full_pass_logits(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = loaded.model(input_ids=ids, position_ids=torch.arange(len(prompt)).unsqueeze(0), use_cache=False)
+    return out.logits[0, -1].float()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 30000, (n,), generator=generator).tolist()
+
+
+def fresh_runner(loaded: LoadedModel) -> Runner:
+    return Runner(loaded, PrefixCache(CacheBudget(1 << 30, 1 << 30)), prefill_chunk=64)
+
+
+def test_resume_at_the_end_of_a_cached_prompt(loaded: LoadedModel) -> None:
+    runner = fresh_runner(loaded)
+    a, b = tokens(1, 300), tokens(2, 40)
+    _, restored = runner.prompt_logits(SCOPE, a)
+    assert restored == 0
+    logits, restored = runner.prompt_logits(SCOPE, a + b)
+    assert restored == 300
+    assert torch.allclose(logits, full_pass_logits(loaded, a + b), atol=TOLERANCE, rtol=0)
+
+
+def test_resume_in_the_middle_of_a_cached_prompt(loaded: LoadedModel) -> None:
+    runner = fresh_runner(loaded)
+    a, c, b = tokens(3, 200), tokens(4, 150), tokens(5, 30)
+    runner.prompt_logits(SCOPE, a + c)
+    logits, restored = runner.prompt_logits(SCOPE, a + b)  # diverges 200 tokens into a 350-token span
+    assert restored == 200
+    assert torch.allclose(logits, full_pass_logits(loaded, a + b), atol=TOLERANCE, rtol=0)
+    # The split left both branches usable: the first prompt resumes whole (all but its last token).
+    logits, restored = runner.prompt_logits(SCOPE, a + c)
+    assert restored == 349
+    assert torch.allclose(logits, full_pass_logits(loaded, a + c), atol=TOLERANCE, rtol=0)
+
+
+def test_chunked_prefill_equals_one_pass(loaded: LoadedModel) -> None:
+    prompt = tokens(6, 333)
+    logits, _ = Runner(loaded, None, prefill_chunk=50).prompt_logits(SCOPE, prompt)
+    assert torch.allclose(logits, full_pass_logits(loaded, prompt), atol=TOLERANCE, rtol=0)
+
+
+def generate(runner: Runner, prompt: list[int], max_tokens: int = 20) -> list[int]:
+    request = GenerationRequest(SCOPE, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return runner.generate(request, emit=lambda _: None, cancelled=lambda: False).output_ids
+
+
+def test_greedy_output_is_identical_with_reuse_on_and_off(loaded: LoadedModel) -> None:
+    reuse, plain = fresh_runner(loaded), Runner(loaded, None)
+    history = tokens(7, 120)
+    for turn in range(4):
+        history = history + tokens(10 + turn, 25)
+        got, expected = generate(reuse, history), generate(plain, history)
+        assert got == expected
+        history = history + got
+
+
+def test_generation_reports_cached_reads_and_writes(loaded: LoadedModel) -> None:
+    runner = fresh_runner(loaded)
+    prompt = tokens(8, 64)
+    first = runner.generate(GenerationRequest(SCOPE, prompt, SamplingParams(5, 0.0)), lambda _: None,
+                            lambda: False)
+    assert (first.cached_read_tokens, first.cached_write_tokens) == (0, 64)
+    follow = prompt + first.output_ids + tokens(9, 10)
+    second = runner.generate(GenerationRequest(SCOPE, follow, SamplingParams(5, 0.0)), lambda _: None,
+                             lambda: False)
+    assert (second.cached_read_tokens, second.cached_write_tokens) == (69, 10)
+    assert runner.prefix_cache is not None
+    assert runner.prefix_cache.cached_tokens(SCOPE) == 64 + 5 + 10 + 5
+
+
+def test_cancellation_stops_decoding_and_keeps_the_prompt_state(loaded: LoadedModel) -> None:
+    runner = fresh_runner(loaded)
+    prompt = tokens(11, 50)
+    result = runner.generate(GenerationRequest(SCOPE, prompt, SamplingParams(50, 0.0)), lambda _: None,
+                             cancelled=lambda: True)
+    assert result.finish_reason == "cancelled" and len(result.output_ids) == 1
+    assert runner.generate(GenerationRequest(SCOPE, prompt + [5], SamplingParams(1, 0.0)), lambda _: None,
+                           lambda: False).cached_read_tokens == 50
