@@ -76,6 +76,7 @@ class GrowableKVLayer(DynamicLayer):
         else:
             key_buffer, value_buffer = keys.new_empty(key_shape), values.new_empty(value_shape)
         if filled:
+            assert self.keys is not None and self.values is not None
             key_buffer[:, :, :filled].copy_(self.keys)
             value_buffer[:, :, :filled].copy_(self.values)
         self._key_buffer, self._value_buffer, self.capacity = key_buffer, value_buffer, capacity
@@ -97,10 +98,10 @@ class FullAttentionAdapter:
     def working_layer(self, capacity: int, pool: BufferPool, slot: int) -> DynamicLayer:
         return GrowableKVLayer(capacity, pool, slot)
 
-    def extract(self, layer: DynamicLayer, start: int, end: int) -> KVPiece:
+    def extract(self, layer: Any, start: int, end: int) -> KVPiece:
         return KVPiece(layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone())
 
-    def restore(self, layer: DynamicLayer, piece: KVPiece, take: int) -> None:
+    def restore(self, layer: Any, piece: KVPiece, take: int) -> None:
         layer.update(piece.keys[:, :, :take], piece.values[:, :, :take])
 
     def split(self, piece: KVPiece, offset: int) -> tuple[KVPiece, KVPiece]:
@@ -138,16 +139,17 @@ class ModelStateAdapter:
         return cache
 
     def extract(self, cache: DynamicCache, start: int, end: int) -> SpanState:
-        return tuple(adapter.extract(layer, start, end) for adapter, layer in zip(self._adapters, cache.layers))
+        return tuple(adapter.extract(layer, start, end)
+                     for adapter, layer in zip(self._adapters, cache.layers, strict=True))
 
     def restore(self, cache: DynamicCache, spans: Sequence[tuple[SpanState, int]]) -> None:
         """Append stored spans, in order, to an empty working cache; `take` tokens of each span."""
         for state, take in spans:
-            for adapter, layer, piece in zip(self._adapters, cache.layers, state):
+            for adapter, layer, piece in zip(self._adapters, cache.layers, state, strict=True):
                 adapter.restore(layer, piece, take)
 
     def split(self, state: SpanState, offset: int) -> tuple[SpanState, SpanState]:
-        halves = [adapter.split(piece, offset) for adapter, piece in zip(self._adapters, state)]
+        halves = [adapter.split(piece, offset) for adapter, piece in zip(self._adapters, state, strict=True)]
         return tuple(left for left, _ in halves), tuple(right for _, right in halves)
 
     @staticmethod

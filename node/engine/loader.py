@@ -77,7 +77,8 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
     try:
         config = AutoConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(target).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        model = model.to(device=target).eval()  # type: ignore[call-arg]
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load the model in {path}: {exc}") from exc
     text_config = config.get_text_config(decoder=True)

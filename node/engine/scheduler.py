@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import traceback
 import time
+import traceback
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from node.engine.runner import GenerationRequest, GenerationResult, Runner
-
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +54,9 @@ class Job:
 
     def post(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def emit_text(self, text: str) -> None:
+        self.post(TextDelta(text))
 
     def cancel(self) -> None:
         self.cancel_event.set()
@@ -115,7 +117,7 @@ class Scheduler:
                 continue
             wait = time.perf_counter() - job.enqueued_at
             try:
-                result = self.runner.generate(job.request, emit=lambda text, j=job: j.post(TextDelta(text)),
+                result = self.runner.generate(job.request, emit=job.emit_text,
                                               cancelled=job.cancel_event.is_set, queue_wait_s=wait)
             except Exception as exc:  # noqa: BLE001 - reported to the waiting request, worker keeps serving
                 # Frames only: an exception's message may quote token ids.

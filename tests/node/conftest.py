@@ -7,12 +7,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import urllib.error
-import urllib.request
 
 import pytest
 

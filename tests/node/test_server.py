@@ -37,6 +37,7 @@ def test_five_turn_chat_reuses_history_and_matches_no_reuse(node_factory, small_
     c_reuse, c_plain = client(reuse, reuse.add_key("alice")), client(plain, plain.add_key("alice"))
     messages = [{"role": "system", "content": "You are a terse assistant for the test suite."}]
     stored: list[int] = []
+    previous_prompt_len = 0
     drift_free_turns = 0
     for turn in range(5):
         messages.append({"role": "user", "content": f"Question number {turn}: tell me about flowers."})
