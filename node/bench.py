@@ -228,9 +228,7 @@ class LocalNode:
     `workdir`; TENZRO_HOME is left alone so the default model cache is shared with the user's."""
 
     def __init__(self, workdir: Path, model: str, threads: int, device: str | None) -> None:
-        self.tenzro = Path(sys.executable).parent / "tenzro"
-        if not self.tenzro.is_file():
-            raise BenchError(f"{self.tenzro} is missing: install this project into the running environment")
+        self.tenzro = [sys.executable, "-m", "node"]
         self.model, self.threads, self.device = model, threads, device
         self.config = workdir / "node.yaml"
         self.log = workdir / "node.log"
@@ -242,12 +240,12 @@ class LocalNode:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        added = subprocess.run([str(self.tenzro), "keys", "add", "bench", "--config", str(self.config)],
+        added = subprocess.run([*self.tenzro, "keys", "add", "bench", "--config", str(self.config)],
                                capture_output=True, text=True, check=False)
         if added.returncode != 0:
             raise BenchError(f"'tenzro keys add' failed: {added.stderr.strip()}")
         self.api_key = added.stdout.strip().splitlines()[-1]
-        command = [str(self.tenzro), "node", "serve", "--config", str(self.config), "--model", self.model,
+        command = [*self.tenzro, "node", "serve", "--config", str(self.config), "--model", self.model,
                    "--host", "127.0.0.1", "--port", str(self.port), "--threads", str(self.threads)]
         if self.device:
             command += ["--device", self.device]
