@@ -1,4 +1,8 @@
-"""OpenAI-compatible routes: chat and text completions (plain and SSE streamed), models, health, metrics."""
+"""OpenAI-compatible routes: chat and text completions (plain and SSE streamed), models, health, metrics.
+
+Every accepted completion is metered under its completion id (`node.meter`); the usage a response
+carries is the usage its signed record holds.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +14,15 @@ from typing import Any
 
 from aiohttp import web
 
-from node.app import CONFIG, KEYRING, METRICS, SERVICE, read_json
+from metering.ledger import LedgerError
+from node.app import CONFIG, METER, METRICS, SERVICE, caller_of, read_json
 from node.config import Caller
 from node.engine.runner import GenerationRequest, GenerationResult
-from node.engine.scheduler import Failed, Finished, Job, QueueFullError, TextDelta
+from node.engine.scheduler import Event, Failed, Finished, Job, QueueFullError, TextDelta
 from node.errors import ApiError, model_not_found, queue_full
+from node.meter import Completion, MeteredJob
 from node.openai_schema import CommonParams, parse_chat, parse_completion
 from node.service import ModelService
-
-
-def _caller(request: web.Request) -> Caller:
-    return request.app[KEYRING].caller_for(request.headers.get("Authorization"))
 
 
 def _service(request: web.Request, model: str) -> ModelService:
@@ -36,6 +38,8 @@ def _usage(result: GenerationResult) -> dict[str, Any]:
         "completion_tokens": len(result.output_ids),
         "total_tokens": result.prompt_tokens + len(result.output_ids),
         "prompt_tokens_details": {"cached_tokens": result.cached_read_tokens},
+        "cached_read_tokens": result.cached_read_tokens,
+        "cached_write_tokens": result.cached_write_tokens,
     }
 
 
@@ -88,7 +92,7 @@ def _submit(request: web.Request, service: ModelService, caller: Caller, generat
         raise queue_full(str(exc)) from exc
 
 
-def _record(request: web.Request, result: GenerationResult) -> None:
+def _observe(request: web.Request, result: GenerationResult) -> None:
     request.app[METRICS].observe_generation(result.prompt_tokens, result.cached_read_tokens,
                                             len(result.output_ids), result.ttft_s, result.queue_wait_s)
 
@@ -100,26 +104,36 @@ def _raise_failure(event: Failed) -> None:
         from event.error
 
 
+async def _next_event(job: MeteredJob) -> Event:
+    try:
+        return await job.next_event()
+    except LedgerError as exc:
+        raise ApiError(503, "the node could not record the usage of this completion, so it is not delivered; "
+                       "retry later", type="server_error", code="metering_unavailable") from exc
+
+
 async def _respond(request: web.Request, service: ModelService, caller: Caller, prompt: list[int],
                    params: CommonParams, shape: Shape) -> web.StreamResponse:
     generation = service.request(caller.name, prompt, params, request.app[CONFIG].limits,
                                  prompt_param="messages" if shape.chat else "prompt")
-    job = _submit(request, service, caller, generation)
-    if not params.stream:
-        try:
-            while True:
-                event = await job.events.get()
-                if isinstance(event, Finished):
-                    _record(request, event.result)
-                    return web.json_response(shape.complete(event.result))
-                if isinstance(event, Failed):
-                    _raise_failure(event)
-        finally:
-            job.cancel()
-    return await _stream(request, job, params, shape)
+    job = request.app[METER].track(_submit(request, service, caller, generation),
+                                   Completion(shape.id, caller.name, service.model_id))
+    try:
+        if params.stream:
+            return await _stream(request, job, params, shape)
+        while True:
+            event = await _next_event(job)
+            if isinstance(event, Finished):
+                _observe(request, event.result)
+                return web.json_response(shape.complete(event.result))
+            if isinstance(event, Failed):
+                _raise_failure(event)
+    finally:
+        job.close()  # a no-op once finished; stops decoding when the client went away
 
 
-async def _stream(request: web.Request, job: Job, params: CommonParams, shape: Shape) -> web.StreamResponse:
+async def _stream(request: web.Request, job: MeteredJob, params: CommonParams,
+                  shape: Shape) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
 
@@ -127,33 +141,34 @@ async def _stream(request: web.Request, job: Job, params: CommonParams, shape: S
         data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
         await response.write(f"data: {data}\n\n".encode())
 
-    try:
-        if shape.chat:
-            await send(shape.chunk(None, first=True))
-        while True:
-            event = await job.events.get()
-            if isinstance(event, TextDelta):
-                await send(shape.chunk(event.text))
-            elif isinstance(event, Finished):
-                _record(request, event.result)
-                await send(shape.chunk(None if shape.chat else "", _finish_reason(event.result)))
-                if params.include_usage:
-                    await send(shape.usage_chunk(event.result))
-                break
-            else:
-                error = event.error if isinstance(event.error, ApiError) else ApiError(
-                    500, "the model failed on this request; the node keeps serving", type="server_error")
-                await send(error.body())
-                break
-        await send("[DONE]")
-        await response.write_eof()
-    finally:
-        job.cancel()  # a no-op once finished; stops decoding when the client went away
+    if shape.chat:
+        await send(shape.chunk(None, first=True))
+    while True:
+        try:
+            event = await _next_event(job)
+        except ApiError as unrecorded:
+            await send(unrecorded.body())
+            break
+        if isinstance(event, TextDelta):
+            await send(shape.chunk(event.text))
+        elif isinstance(event, Finished):
+            _observe(request, event.result)
+            await send(shape.chunk(None if shape.chat else "", _finish_reason(event.result)))
+            if params.include_usage:
+                await send(shape.usage_chunk(event.result))
+            break
+        else:
+            error = event.error if isinstance(event.error, ApiError) else ApiError(
+                500, "the model failed on this request; the node keeps serving", type="server_error")
+            await send(error.body())
+            break
+    await send("[DONE]")
+    await response.write_eof()
     return response
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    caller = _caller(request)
+    caller = caller_of(request)
     chat = parse_chat(await read_json(request))
     service = _service(request, chat.params.model)
     prompt = service.chat_prompt(chat.messages)
@@ -161,7 +176,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    caller = _caller(request)
+    caller = caller_of(request)
     completion = parse_completion(await read_json(request))
     service = _service(request, completion.params.model)
     prompt = service.text_prompt(completion.prompt)
@@ -169,7 +184,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    _caller(request)
+    caller_of(request)
     service = request.app[SERVICE]
     return web.json_response({"object": "list", "data": [{
         "id": service.model_id, "object": "model", "created": 0, "owned_by": "tenzro",
@@ -193,8 +208,3 @@ ROUTES: list[tuple[str, str, Callable[[web.Request], Any]]] = [
     ("GET", "/health", health),
     ("GET", "/metrics", metrics),
 ]
-
-
-def add_routes(app: web.Application) -> None:
-    for method, path, handler in ROUTES:
-        app.router.add_route(method, path, handler)

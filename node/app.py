@@ -11,8 +11,9 @@ from aiohttp import web
 
 from cache.prefix_cache import PrefixCache
 from node.auth import KeyRing
-from node.config import NodeConfig
+from node.config import Caller, NodeConfig
 from node.errors import ApiError
+from node.meter import Meter, MeteringPaths
 from node.metrics import NodeMetrics
 from node.service import ModelService
 
@@ -22,6 +23,9 @@ CONFIG = web.AppKey("config", NodeConfig)
 KEYRING = web.AppKey("keyring", KeyRing)
 SERVICE = web.AppKey("service", ModelService)
 METRICS = web.AppKey("metrics", NodeMetrics)
+METER = web.AppKey("meter", Meter)
+
+METER_CLOSE_TIMEOUT_S = 30.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -67,9 +71,14 @@ async def read_json(request: web.Request) -> object:
                        code="invalid_json") from exc
 
 
+def caller_of(request: web.Request) -> Caller:
+    """The caller whose API key the request carries; raises a 401 ApiError otherwise."""
+    return request.app[KEYRING].caller_for(request.headers.get("Authorization"))
+
+
 def create_app(config: NodeConfig, config_path: Path, service: ModelService,
-               prefix_cache: PrefixCache | None) -> web.Application:
-    from node import api  # the routes import the keys above
+               prefix_cache: PrefixCache | None, metering: MeteringPaths) -> web.Application:
+    from node import api, metering_routes  # the routes import the keys above
 
     app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[error_middleware])
     app[CONFIG] = config
@@ -84,6 +93,15 @@ def create_app(config: NodeConfig, config_path: Path, service: ModelService,
         yield
         service.scheduler.stop()
 
+    async def meter_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[METER] = Meter.open(metering)
+        yield
+        await app[METER].close(METER_CLOSE_TIMEOUT_S)
+
+    # Cleanup runs in reverse: the meter closes while the engine still runs, so that the cancelled jobs
+    # it still has to record can end.
     app.cleanup_ctx.append(engine_ctx)
-    api.add_routes(app)
+    app.cleanup_ctx.append(meter_ctx)
+    for method, path, handler in api.ROUTES + metering_routes.ROUTES:
+        app.router.add_route(method, path, handler)
     return app

@@ -8,8 +8,22 @@ import os
 import resource
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from node.config import ConfigError, add_key, default_config_path, load_config, tenzro_home
+from metering.ledger import LedgerError
+from metering.pricing import PricingError, load_pricing
+from node.cli_metering import add_metering_commands, default_pricing_path
+from node.config import (
+    ConfigError,
+    add_key,
+    default_config_path,
+    default_ledger_dir,
+    load_config,
+    tenzro_home,
+)
+
+if TYPE_CHECKING:
+    from node.meter import Meter, MeteringPaths
 
 
 def default_threads() -> int:
@@ -30,19 +44,33 @@ def _how_to_call(host: str, port: int, model: str, key: str | None) -> str:
             f"\"max_tokens\": 16}}'\n")
 
 
+def _metering_lines(meter: Meter, paths: MeteringPaths, created_prices: bool) -> str:
+    from node.meter import DEFAULT_PRICE_POLICY
+
+    created = f" (new: the defaults from {DEFAULT_PRICE_POLICY})" if created_prices else ""
+    return (f"Metering: records signed by node key {meter.signer.public_key_hex} (GET /v1/node)\n"
+            f"  ledger segment {meter.ledger.path}\n"
+            f"  prices from {paths.pricing_file}{created}; change them with 'tenzro provider pricing set'\n")
+
+
 def _serve(args: argparse.Namespace) -> int:
     import torch
     from aiohttp import web
 
     from cache.prefix_cache import PrefixCache
-    from node.app import create_app
+    from node.app import METER, create_app
     from node.engine.loader import ModelLoadError, load_model, resolve_model_dir
+    from node.meter import MeteringPaths, ensure_price_file
     from node.service import ModelService
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dumps: they would hold prompt state
     torch.set_num_threads(args.threads)
     config_path = Path(args.config) if args.config else default_config_path()
+    metering = MeteringPaths(ledger_dir=Path(args.ledger) if args.ledger else default_ledger_dir(),
+                             pricing_file=Path(args.pricing) if args.pricing else default_pricing_path())
     try:
+        created_prices = ensure_price_file(metering.pricing_file)
+        load_pricing(metering.pricing_file)  # a bad price file fails now, before the model loads
         config = load_config(config_path)
         new_key = None
         if not config.callers:
@@ -50,15 +78,19 @@ def _serve(args: argparse.Namespace) -> int:
             config = load_config(config_path)
         model_id, path = resolve_model_dir(args.model, tenzro_home())
         loaded = load_model(model_id, path, device=args.device, dtype=args.dtype)
-    except (ConfigError, ModelLoadError) as exc:
+    except (ConfigError, ModelLoadError, PricingError, OSError) as exc:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
     prefix_cache = None if args.no_reuse else PrefixCache(config.cache)
     service = ModelService.create(loaded, prefix_cache, config.limits.max_queue)
-    app = create_app(config, config_path, service, prefix_cache)
+    app = create_app(config, config_path, service, prefix_cache, metering)
     message = _how_to_call(args.host, args.port, model_id, new_key)
-    web.run_app(app, host=args.host, port=args.port, print=lambda _: print(message, flush=True),
-                access_log=None)
+    try:
+        web.run_app(app, host=args.host, port=args.port, access_log=None, print=lambda _: print(
+            message + _metering_lines(app[METER], metering, created_prices), flush=True))
+    except (LedgerError, PricingError, OSError) as exc:  # the meter's files, or the port, at startup
+        print(f"tenzro: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -102,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--config", help="node config YAML (default: $TENZRO_HOME/node.yaml)")
+    serve.add_argument("--ledger", help="directory of usage ledger segments (default: $TENZRO_HOME/ledger)")
+    serve.add_argument("--pricing", help="price file, re-read when it changes (default: "
+                       "$TENZRO_HOME/pricing.yaml, created from policies/pricing.yaml when missing)")
     serve.add_argument("--no-reuse", action="store_true", help="compute every prompt from scratch")
     serve.add_argument("--threads", type=int, default=default_threads(), help="torch CPU threads")
     serve.add_argument("--device", help="cpu or cuda (default: cuda when present)")
@@ -122,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--size", default="default", choices=["default", "small"])
     init.add_argument("dir")
     init.set_defaults(func=_models_init)
+
+    add_metering_commands(groups)
 
     bench = groups.add_parser("bench", help="benchmarks").add_subparsers(dest="command", required=True)
     reuse = bench.add_parser("reuse", help="time to first token, cold versus reused prefix")

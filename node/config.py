@@ -61,6 +61,10 @@ def default_config_path() -> Path:
     return tenzro_home() / "node.yaml"
 
 
+def default_ledger_dir() -> Path:
+    return tenzro_home() / "ledger"
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 

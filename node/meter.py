@@ -1,0 +1,155 @@
+"""The metering of one node start: its signing key, ledger segment and prices, fed by the engine's jobs.
+
+Every completion the node accepted gets one signed record under the completion id the client saw,
+whether it completed, failed or was cancelled. The record is appended before the handler sees the
+job's outcome, so a client that has a response can already look its record up. When a handler stops
+listening first (the client went away), the meter keeps waiting for the cancelled job's outcome in
+the background and records that. Appends fsync, so they run in a worker thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from metering.ledger import Ledger, LedgerError
+from metering.pricing import PricingSource, load_pricing, save_pricing
+from metering.record import RecordStatus, TokenCounts, UsageRecord
+from metering.signer import NodeSigner
+from node.engine.scheduler import Event, Failed, Finished, Job
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PRICE_POLICY = Path(__file__).resolve().parents[1] / "policies" / "pricing.yaml"
+"""Prices a node starts with when its price file does not exist yet."""
+
+NO_TOKENS = TokenCounts(input_tokens=0, cached_read_tokens=0, cached_write_tokens=0, output_tokens=0)
+
+
+@dataclass(frozen=True, slots=True)
+class MeteringPaths:
+    ledger_dir: Path
+    """Directory of ledger segments; each node start writes a new one."""
+    pricing_file: Path
+    """Price file, re-read when it changes (`tenzro provider pricing set`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """Whom a job's record is for."""
+
+    record_id: str  # the completion id the client got: chatcmpl-... or cmpl-...
+    caller_id: str
+    model: str
+
+
+def ensure_price_file(path: Path) -> bool:
+    """Write the default price policy to `path` unless a file is there; True when it was written.
+
+    The policy is parsed first, so a broken policy file fails here rather than becoming prices.
+    """
+    if path.exists():
+        return False
+    save_pricing(path, load_pricing(DEFAULT_PRICE_POLICY))
+    return True
+
+
+def usage_of(outcome: Finished | Failed) -> tuple[RecordStatus, TokenCounts]:
+    """The status and the tokens the engine processed for a job's outcome.
+
+    A failure carries no counts (the engine reports none), and a job cancelled before it started
+    processed nothing, so both record zero tokens and cost nothing.
+    """
+    if isinstance(outcome, Failed):
+        return ("cancelled" if isinstance(outcome.error, asyncio.CancelledError) else "failed"), NO_TOKENS
+    result = outcome.result
+    status: RecordStatus = "cancelled" if result.finish_reason == "cancelled" else "completed"
+    return status, TokenCounts(input_tokens=result.prompt_tokens, cached_read_tokens=result.cached_read_tokens,
+                               cached_write_tokens=result.cached_write_tokens,
+                               output_tokens=len(result.output_ids))
+
+
+class Meter:
+    """Signer, ledger and price source of this node start, and the jobs still to be recorded."""
+
+    def __init__(self, signer: NodeSigner, ledger: Ledger, pricing: PricingSource) -> None:
+        self.signer = signer
+        self.ledger = ledger
+        self.pricing = pricing
+        self._following: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def open(cls, paths: MeteringPaths) -> Meter:
+        """A new key and a new segment; raises PricingError or LedgerError when either cannot be used."""
+        pricing = PricingSource(paths.pricing_file)  # first: bad prices must not leave an empty segment behind
+        signer = NodeSigner.generate()
+        return cls(signer, Ledger(paths.ledger_dir, signer, boot_id=uuid.uuid4().hex), pricing)
+
+    @property
+    def boot_id(self) -> str:
+        return self.ledger.boot_id
+
+    def _append(self, completion: Completion, outcome: Finished | Failed) -> UsageRecord:
+        status, counts = usage_of(outcome)
+        return self.ledger.append(record_id=completion.record_id, caller_id=completion.caller_id,
+                                  model=completion.model, status=status, counts=counts,
+                                  prices=self.pricing.current())
+
+    async def record(self, completion: Completion, outcome: Finished | Failed) -> UsageRecord:
+        """Sign and durably append the record of `outcome`, with the prices in force now."""
+        return await asyncio.to_thread(self._append, completion, outcome)
+
+    def track(self, job: Job, completion: Completion) -> MeteredJob:
+        return MeteredJob(self, job, completion)
+
+    def follow(self, job: Job, completion: Completion) -> None:
+        """Record a job whose handler stopped listening before its outcome; the job is cancelled."""
+        task = asyncio.get_running_loop().create_task(self._record_when_done(job, completion))
+        self._following.add(task)
+        task.add_done_callback(self._following.discard)
+
+    async def _record_when_done(self, job: Job, completion: Completion) -> None:
+        while not isinstance(event := await job.events.get(), Finished | Failed):
+            pass
+        try:
+            await self.record(completion, event)
+        except LedgerError as exc:
+            log.error("the usage of a cancelled completion was not recorded: %s", exc)
+
+    async def close(self, timeout_s: float) -> None:
+        """Record the followed jobs (cancelled, so they end soon while the engine runs), then close."""
+        if self._following:
+            _, pending = await asyncio.wait(set(self._following), timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                log.error("%d cancelled completions did not end within %.0f s and are not recorded",
+                          len(pending), timeout_s)
+        self.ledger.close()
+
+
+class MeteredJob:
+    """A job's events as its handler reads them: the outcome is on the ledger before it is returned."""
+
+    def __init__(self, meter: Meter, job: Job, completion: Completion) -> None:
+        self.meter = meter
+        self.job = job
+        self.completion = completion
+        self.ended = False
+
+    async def next_event(self) -> Event:
+        """The next event; raises LedgerError when the outcome could not be recorded."""
+        event = await self.job.events.get()
+        if isinstance(event, Finished | Failed):
+            self.ended = True
+            await self.meter.record(self.completion, event)
+        return event
+
+    def close(self) -> None:
+        """Stop the job if it still runs (the handler is done with it) and have it recorded when it ends."""
+        self.job.cancel()
+        if not self.ended:
+            self.meter.follow(self.job, self.completion)
