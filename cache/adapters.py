@@ -21,19 +21,29 @@ class BufferPool:
     """Working buffers kept between requests, so each request does not page-fault fresh memory.
 
     Requests run one at a time per model; a buffer handed out is valid until the next `take` of the same
-    slot. Stored spans are always clones, never views of these buffers.
+    slot, and still holds what the last request wrote, which lets the next request of the same scope
+    continue from it (see `GrowableKVLayer.adopt`). Stored spans are always clones, never views of these.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
 
-    def take(self, slot: int, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        """A tensor of `shape` (seq on dim 2) with `like`'s dtype and device, backed by slot's buffer."""
+    def take(self, slot: int, like: torch.Tensor, shape: tuple[int, ...], keep: int = 0) -> torch.Tensor:
+        """A tensor of `shape` (seq on dim 2) with `like`'s dtype and device, backed by slot's buffer.
+
+        The first `keep` tokens of the slot's previous contents survive a reallocation.
+        """
         held = self._buffers.get(slot)
         if (held is None or held.dtype != like.dtype or held.device != like.device
                 or held.shape[:2] + held.shape[3:] != shape[:2] + shape[3:] or held.shape[2] < shape[2]):
-            held = self._buffers[slot] = like.new_empty(shape)
+            fresh = like.new_empty(shape)
+            if keep and held is not None:
+                fresh[:, :, :keep].copy_(held[:, :, :keep])
+            held = self._buffers[slot] = fresh
         return held[:, :, :shape[2]]
+
+    def held(self, slot: int) -> torch.Tensor | None:
+        return self._buffers.get(slot)
 
 
 class GrowableKVLayer(DynamicLayer):
@@ -67,19 +77,34 @@ class GrowableKVLayer(DynamicLayer):
         self.values = self._value_buffer[:, :, :end]
         return self.keys, self.values
 
+    def adopt(self, length: int) -> bool:
+        """Start from the first `length` tokens the pool's buffers hold from the previous request.
+
+        The caller vouches that those tokens are this request's prefix in the same scope.
+        """
+        assert self._pool is not None and not self.is_initialized
+        held_keys, held_values = self._pool.held(2 * self._slot), self._pool.held(2 * self._slot + 1)
+        if held_keys is None or held_values is None or held_keys.shape[2] < length:
+            return False
+        self.device, self.is_initialized = held_keys.device, True
+        self.keys, self.values = held_keys[:, :, :length], held_values[:, :, :length]
+        self._grow(held_keys, held_values, max(self.capacity, length), filled=length)
+        return True
+
     def _grow(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, filled: int) -> None:
         batch, heads, _, head_dim = keys.shape
         key_shape, value_shape = (batch, heads, capacity, head_dim), (batch, heads, capacity, values.shape[-1])
-        if self._pool is not None and not filled:
-            key_buffer = self._pool.take(2 * self._slot, keys, key_shape)
-            value_buffer = self._pool.take(2 * self._slot + 1, values, value_shape)
+        if self._pool is not None:
+            key_buffer = self._pool.take(2 * self._slot, keys, key_shape, keep=filled)
+            value_buffer = self._pool.take(2 * self._slot + 1, values, value_shape, keep=filled)
         else:
             key_buffer, value_buffer = keys.new_empty(key_shape), values.new_empty(value_shape)
-        if filled:
-            assert self.keys is not None and self.values is not None
-            key_buffer[:, :, :filled].copy_(self.keys)
-            value_buffer[:, :, :filled].copy_(self.values)
+            if filled:
+                assert self.keys is not None and self.values is not None
+                key_buffer[:, :, :filled].copy_(self.keys)
+                value_buffer[:, :, :filled].copy_(self.values)
         self._key_buffer, self._value_buffer, self.capacity = key_buffer, value_buffer, capacity
+        self.keys, self.values = key_buffer[:, :, :filled], value_buffer[:, :, :filled]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +126,11 @@ class FullAttentionAdapter:
     def extract(self, layer: Any, start: int, end: int) -> KVPiece:
         return KVPiece(layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone())
 
-    def restore(self, layer: Any, piece: KVPiece, take: int) -> None:
-        layer.update(piece.keys[:, :, :take], piece.values[:, :, :take])
+    def adopt(self, layer: Any, length: int) -> bool:
+        return bool(layer.adopt(length))
+
+    def restore(self, layer: Any, piece: KVPiece, start: int, end: int) -> None:
+        layer.update(piece.keys[:, :, start:end], piece.values[:, :, start:end])
 
     def split(self, piece: KVPiece, offset: int) -> tuple[KVPiece, KVPiece]:
         # Clones, so that evicting one half frees its bytes: views would keep the whole storage alive.
@@ -128,25 +156,40 @@ class ModelStateAdapter:
         self._adapters = tuple(ADAPTERS[type(spec)] for spec in specs)
         self._pool = BufferPool()
 
-    def new_cache(self, capacity: int) -> DynamicCache:
+    def new_cache(self, capacity: int, adopt: int = 0) -> tuple[DynamicCache, int]:
         """A working cache sized for `capacity` tokens (prompt plus the reply's budget).
 
-        Its buffers are reused by the next `new_cache`: one working cache is live at a time.
+        Its buffers are reused by the next `new_cache`: one working cache is live at a time. With `adopt`,
+        the cache starts from that many tokens left in the buffers by the previous working cache, when they
+        are still there; returns the cache and the tokens it starts with (`adopt` or 0).
         """
         cache = DynamicCache(config=self._config)
         cache.layers = [adapter.working_layer(capacity, self._pool, slot)
                         for slot, adapter in enumerate(self._adapters)]
-        return cache
+        if adopt and all(adapter.adopt(layer, adopt)
+                         for adapter, layer in zip(self._adapters, cache.layers, strict=True)):
+            return cache, adopt
+        if adopt:
+            cache.layers = [adapter.working_layer(capacity, self._pool, slot)
+                            for slot, adapter in enumerate(self._adapters)]
+        return cache, 0
 
     def extract(self, cache: DynamicCache, start: int, end: int) -> SpanState:
         return tuple(adapter.extract(layer, start, end)
                      for adapter, layer in zip(self._adapters, cache.layers, strict=True))
 
-    def restore(self, cache: DynamicCache, spans: Sequence[tuple[SpanState, int]]) -> None:
-        """Append stored spans, in order, to an empty working cache; `take` tokens of each span."""
+    def restore(self, cache: DynamicCache, spans: Sequence[tuple[SpanState, int]], skip: int = 0) -> None:
+        """Append stored spans, in order, after the first `skip` tokens; `take` tokens of each span.
+
+        `skip` is what the working cache already holds (an adopted prefix).
+        """
+        position = 0
         for state, take in spans:
-            for adapter, layer, piece in zip(self._adapters, cache.layers, state, strict=True):
-                adapter.restore(layer, piece, take)
+            start = max(0, skip - position)
+            if start < take:
+                for adapter, layer, piece in zip(self._adapters, cache.layers, state, strict=True):
+                    adapter.restore(layer, piece, start, take)
+            position += take
 
     def split(self, state: SpanState, offset: int) -> tuple[SpanState, SpanState]:
         halves = [adapter.split(piece, offset) for adapter, piece in zip(self._adapters, state, strict=True)]

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cache.adapters import ModelStateAdapter
 from cache.state_spec import UnsupportedLayerKindError, model_state_specs, reuse_blocker
+from node.engine.cpu_layout import transpose_linear_weights
 from node.engine.synthetic import ensure_default_model
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         model = model.to(device=target).eval()  # type: ignore[call-arg]
+        if target.type == "cpu":
+            transpose_linear_weights(model)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load the model in {path}: {exc}") from exc
     text_config = config.get_text_config(decoder=True)

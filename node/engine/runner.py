@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from cache.arena import Scope
 from cache.prefix_cache import PrefixCache
+from cache.radix_tree import common_prefix_length
 from node.engine.detokenizer import Detokenizer
 from node.engine.loader import LoadedModel
 from node.engine.sampling import Sampler, SamplingParams
@@ -50,6 +51,8 @@ class Runner:
         if self.prefix_cache is not None and loaded.state is not None:
             self.prefix_cache.register_model(loaded.model_id, loaded.state)
         self.prefill_chunk = prefill_chunk
+        # The scope and tokens whose state the working buffers hold from the last request.
+        self._hot: tuple[Scope, tuple[int, ...]] | None = None
 
     @property
     def reuse_enabled(self) -> bool:
@@ -72,9 +75,6 @@ class Runner:
         assert logits is not None
         return logits
 
-    def _new_cache(self, capacity: int) -> DynamicCache:
-        state = self.loaded.state
-        return state.new_cache(capacity) if state is not None else DynamicCache(config=self.loaded.model.config)
 
     @torch.inference_mode()
     def prompt_logits(self, scope: Scope, prompt: list[int]) -> tuple[torch.Tensor, int]:
@@ -88,13 +88,18 @@ class Runner:
         return logits, restored
 
     def _restore(self, scope: Scope, prompt: list[int], capacity: int) -> tuple[DynamicCache, int]:
-        cache = self._new_cache(capacity)
-        if self.prefix_cache is None or self.loaded.state is None:
-            return cache, 0
+        state, hot = self.loaded.state, self._hot
+        self._hot = None  # the working buffers are about to be overwritten
+        if self.prefix_cache is None or state is None:
+            return DynamicCache(config=self.loaded.model.config), 0
         # At least one prompt token is always computed: its logits choose the first output token.
         lease = self.prefix_cache.acquire(scope, prompt, limit=len(prompt) - 1)
         try:
-            self.loaded.state.restore(cache, self.prefix_cache.restore_list(lease))
+            # The same scope's last request left its state in the working buffers: the part of the lease
+            # it covers needs no copy.
+            warm = min(common_prefix_length(hot[1], tuple(prompt)), lease.length) if hot and hot[0] == scope else 0
+            cache, adopted = state.new_cache(capacity, adopt=warm)
+            state.restore(cache, self.prefix_cache.restore_list(lease), skip=adopted)
         finally:
             self.prefix_cache.release(lease)
         return cache, lease.length
@@ -104,6 +109,7 @@ class Runner:
             return 0
         state = self.loaded.state
         result = self.prefix_cache.store(scope, tokens, lambda start, end: state.extract(cache, start, end))
+        self._hot = (scope, tuple(tokens))
         return result.stored
 
     @torch.inference_mode()

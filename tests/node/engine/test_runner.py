@@ -104,3 +104,12 @@ def test_cancellation_stops_decoding_and_keeps_the_prompt_state(loaded: LoadedMo
     assert result.finish_reason == "cancelled" and len(result.output_ids) == 1
     assert runner.generate(GenerationRequest(SCOPE, prompt + [5], SamplingParams(1, 0.0)), lambda _: None,
                            lambda: False).cached_read_tokens == 50
+
+
+def test_another_scope_never_continues_from_the_working_buffers(loaded: LoadedModel) -> None:
+    runner = fresh_runner(loaded)
+    prompt = tokens(12, 80)
+    runner.prompt_logits(SCOPE, prompt)
+    logits, restored = runner.prompt_logits(Scope("bob", "small"), prompt + [7])
+    assert restored == 0
+    assert torch.allclose(logits, full_pass_logits(loaded, prompt + [7]), atol=TOLERANCE, rtol=0)
