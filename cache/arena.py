@@ -1,7 +1,8 @@
-"""The state arena: stored span state by handle, with exact byte accounting per scope.
+"""The state arena: stored span and snapshot state by handle, with exact byte accounting per caller.
 
 Only the arena and the adapters hold tensors. Handles are plain ints so the prefix index can keep them
-without knowing what they point to.
+without knowing what they point to. Each handle is one tree node's state: the span of tokens the node
+covers, and optionally a snapshot taken at the node's end.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import NewType
 
-from cache.adapters import ModelStateAdapter, SpanState
+from cache.adapters import Snapshot, SpanState, state_bytes
 
 SpanHandle = NewType("SpanHandle", int)
 
@@ -24,47 +25,74 @@ class Scope:
     model: str
 
 
+@dataclass(slots=True)
+class _Entry:
+    scope: Scope
+    span: SpanState
+    snapshot: Snapshot | None
+    nbytes: int
+
+
 class StateArena:
-    """Holds span state in memory; `bytes_total` and `bytes_of_caller` are sums of tensor bytes."""
+    """Holds state in memory; `bytes_total` and `bytes_of_caller` are sums of tensor bytes."""
 
     def __init__(self) -> None:
-        self._states: dict[SpanHandle, SpanState] = {}
-        self._sizes: dict[SpanHandle, int] = {}
-        self._owners: dict[SpanHandle, Scope] = {}
+        self._entries: dict[SpanHandle, _Entry] = {}
         self._caller_bytes: defaultdict[str, int] = defaultdict(int)
         self._next = itertools.count(1)
         self.bytes_total = 0
 
-    def put(self, scope: Scope, state: SpanState) -> SpanHandle:
-        handle = SpanHandle(next(self._next))
-        size = ModelStateAdapter.nbytes(state)
-        self._states[handle], self._sizes[handle], self._owners[handle] = state, size, scope
-        self._caller_bytes[scope.caller] += size
-        self.bytes_total += size
-        return handle
-
-    def get(self, handle: SpanHandle) -> SpanState:
-        return self._states[handle]
-
-    def free(self, handle: SpanHandle) -> int:
-        """Drop a span's state; returns the bytes released."""
-        size = self._sizes.pop(handle)
-        scope = self._owners.pop(handle)
-        del self._states[handle]
-        self._caller_bytes[scope.caller] -= size
+    def _account(self, scope: Scope, delta: int) -> None:
+        self._caller_bytes[scope.caller] += delta
         if not self._caller_bytes[scope.caller]:
             del self._caller_bytes[scope.caller]
-        self.bytes_total -= size
+        self.bytes_total += delta
+
+    def put(self, scope: Scope, span: SpanState, snapshot: Snapshot | None = None) -> SpanHandle:
+        handle = SpanHandle(next(self._next))
+        size = state_bytes(span) + state_bytes(snapshot)
+        self._entries[handle] = _Entry(scope, span, snapshot, size)
+        self._account(scope, size)
+        return handle
+
+    def span(self, handle: SpanHandle) -> SpanState:
+        return self._entries[handle].span
+
+    def snapshot(self, handle: SpanHandle) -> Snapshot | None:
+        return self._entries[handle].snapshot
+
+    def nbytes(self, handle: SpanHandle) -> int:
+        return self._entries[handle].nbytes
+
+    def attach_snapshot(self, handle: SpanHandle, snapshot: Snapshot) -> None:
+        """Keep `snapshot` as the state at the end of this handle's span (once; a second is ignored)."""
+        entry = self._entries[handle]
+        if entry.snapshot is None:
+            size = state_bytes(snapshot)
+            entry.snapshot, entry.nbytes = snapshot, entry.nbytes + size
+            self._account(entry.scope, size)
+
+    def drop_snapshot(self, handle: SpanHandle) -> int:
+        entry = self._entries[handle]
+        size = state_bytes(entry.snapshot)
+        entry.snapshot, entry.nbytes = None, entry.nbytes - size
+        self._account(entry.scope, -size)
         return size
 
-    def replace(self, handle: SpanHandle, parts: tuple[SpanState, SpanState]) -> tuple[SpanHandle, SpanHandle]:
-        """Swap one span for its two halves (after a split), keeping the owner."""
-        scope = self._owners[handle]
+    def free(self, handle: SpanHandle) -> int:
+        """Drop a handle's state; returns the bytes released."""
+        entry = self._entries.pop(handle)
+        self._account(entry.scope, -entry.nbytes)
+        return entry.nbytes
+
+    def split(self, handle: SpanHandle, parts: tuple[SpanState, SpanState]) -> tuple[SpanHandle, SpanHandle]:
+        """Swap one span for its two halves; the snapshot stays at the end, with the second half."""
+        entry = self._entries[handle]
         self.free(handle)
-        return self.put(scope, parts[0]), self.put(scope, parts[1])
+        return self.put(entry.scope, parts[0]), self.put(entry.scope, parts[1], entry.snapshot)
 
     def bytes_of_caller(self, caller: str) -> int:
         return self._caller_bytes.get(caller, 0)
 
     def __len__(self) -> int:
-        return len(self._states)
+        return len(self._entries)

@@ -111,6 +111,18 @@ class RadixTree(Generic[H]):
         node.children[leaf.tokens[0]] = leaf
         return leaf
 
+    def boundary(self, tokens: Sequence[int], position: int) -> TreeNode[H]:
+        """The node ending exactly at `position` on the path of `tokens` (held up to there), cutting one if needed."""
+        assert 0 < position <= len(tokens)
+        node, pos = self.root, 0
+        while True:
+            child = node.children[tokens[pos]]
+            if child.end == position:
+                return child
+            if child.end > position:
+                return self._split(child, position - child.start)
+            node, pos = child, child.end
+
     def _split(self, node: TreeNode[H], offset: int) -> TreeNode[H]:
         """Cut `node` after `offset` tokens; returns the new upper node, `node` keeps the rest."""
         assert 0 < offset < len(node.tokens) and node.parent is not None and node.handle is not None

@@ -1,7 +1,15 @@
 """What each layer kind must keep to resume computation at a prompt position.
 
-A model is a stack of layers, each of one state kind. The kind, not the model type, decides how state is
-cut, stored and restored, so new architectures are new table entries rather than new branches.
+A model is a stack of layers; each layer holds state of one or two kinds (FalconH1 layers hold both a
+recurrent and an attention part). The kind, not the model type, decides how state is cut, stored and
+restored, so a new architecture is a new table entry rather than a new branch. The table is keyed by the
+cache-layer class transformers builds for the layer, which is exactly what the engine must fill.
+
+| kind | needed to resume at p |
+|---|---|
+| full attention | K,V for tokens `[0, p)`: kept per span, so any position the spans cover works |
+| sliding window W | K,V for `[p-W+1, p)`: kept in snapshots taken at p |
+| recurrent / state space | conv and recurrent state at exactly p: kept in snapshots taken at p |
 """
 
 from __future__ import annotations
@@ -9,95 +17,81 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from transformers import DynamicCache
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionLayer,
+)
+
 
 class UnsupportedLayerKindError(ValueError):
-    """A layer kind the node cannot yet keep state for; the model is then served without reuse."""
+    """A layer kind the node cannot keep state for; the model is then served without reuse."""
 
 
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec:
-    """Keys and values for every token `[0, p)`; can resume at any position the stored spans cover."""
-
-    kv_heads: int
-    head_dim: int
-
-    def tokens_needed(self, position: int) -> tuple[int, int]:
-        """The token range whose K/V must be held to resume at `position`."""
-        return 0, position
+    """K/V `[batch, kv_heads, seq, head_dim]` for every token before p."""
 
 
 @dataclass(frozen=True, slots=True)
 class SlidingWindowSpec:
-    """Keys and values of the last `window` tokens before p (not yet kept: issue 4)."""
+    """K/V of the `window - 1` tokens before p (transformers keeps exactly those)."""
 
     window: int
-    kv_heads: int
-    head_dim: int
-
-    def tokens_needed(self, position: int) -> tuple[int, int]:
-        return max(0, position - self.window), position
 
 
 @dataclass(frozen=True, slots=True)
 class RecurrentSpec:
-    """A snapshot of recurrent / state-space state taken at exactly p (not yet kept: issue 4)."""
-
-    def tokens_needed(self, position: int) -> tuple[int, int]:
-        return position, position
+    """Conv and recurrent states at exactly p; cannot be rewound, so only snapshots resume."""
 
 
-LayerStateSpec = FullAttentionSpec | SlidingWindowSpec | RecurrentSpec
-
-# Layer kinds whose state the node stores today. The others are described so that the index can reason
-# about them, but a model containing one is served with reuse off until its adapter exists.
-STORABLE_SPECS: tuple[type, ...] = (FullAttentionSpec,)
+ComponentSpec = FullAttentionSpec | SlidingWindowSpec | RecurrentSpec
 
 
-def _attention_shape(config: Any) -> tuple[int, int]:
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return kv_heads, head_dim
+@dataclass(frozen=True, slots=True)
+class LayerStateSpec:
+    """The state parts of one decoder layer, in a fixed order (recurrent first, then attention)."""
+
+    components: tuple[ComponentSpec, ...]
+
+    @property
+    def keeps_spans(self) -> bool:
+        return any(isinstance(c, FullAttentionSpec) for c in self.components)
+
+    @property
+    def needs_snapshot(self) -> bool:
+        return any(not isinstance(c, FullAttentionSpec) for c in self.components)
 
 
-def _full(config: Any) -> LayerStateSpec:
-    return FullAttentionSpec(*_attention_shape(config))
+def _window(layer: Any) -> int:
+    return int(layer.sliding_window)
 
 
-def _sliding(config: Any) -> LayerStateSpec:
-    window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
-    if not window:
-        raise UnsupportedLayerKindError("a sliding layer without a window size in the config")
-    return SlidingWindowSpec(int(window), *_attention_shape(config))
-
-
-def _recurrent(config: Any) -> LayerStateSpec:
-    return RecurrentSpec()
-
-
-# `config.layer_types` values (transformers 5.x) mapped to the state kind they keep.
-LAYER_TYPE_SPECS = {
-    "full_attention": _full,
-    "sliding_attention": _sliding,
-    "chunked_attention": _sliding,
-    "linear_attention": _recurrent,
-    "mamba": _recurrent,
-    "conv": _recurrent,
+# Cache-layer class (exact type) -> the state parts it holds. Order matters: subclasses are listed whole.
+LAYER_CLASS_SPECS: dict[type, Any] = {
+    DynamicLayer: lambda layer: (FullAttentionSpec(),),
+    DynamicSlidingWindowLayer: lambda layer: (SlidingWindowSpec(_window(layer)),),
+    LinearAttentionLayer: lambda layer: (RecurrentSpec(),),
+    LinearAttentionAndFullAttentionLayer: lambda layer: (RecurrentSpec(), FullAttentionSpec()),
+    LinearAttentionAndSlidingWindowAttentionLayer: lambda layer: (RecurrentSpec(), SlidingWindowSpec(_window(layer))),
+    DummyLayer: lambda layer: (),
 }
 
 
 def model_state_specs(config: Any) -> tuple[LayerStateSpec, ...]:
-    """One spec per decoder layer, from `config.layer_types` (full attention when the config has none)."""
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    """One spec per decoder layer, read off the cache transformers builds for this config."""
+    try:
+        layers = DynamicCache(config=config).layers
+    except (KeyError, ValueError, TypeError) as exc:
+        raise UnsupportedLayerKindError(f"cannot build a cache for this model: {exc}") from exc
     specs = []
-    for layer_type in layer_types:
-        if layer_type not in LAYER_TYPE_SPECS:
-            raise UnsupportedLayerKindError(f"layer type {layer_type!r} has no state spec")
-        specs.append(LAYER_TYPE_SPECS[layer_type](config))
+    for layer in layers:
+        factory = LAYER_CLASS_SPECS.get(type(layer))
+        if factory is None:
+            raise UnsupportedLayerKindError(f"no state spec for cache layer {type(layer).__name__}")
+        specs.append(LayerStateSpec(factory(layer)))
     return tuple(specs)
-
-
-def reuse_blocker(specs: tuple[LayerStateSpec, ...]) -> str | None:
-    """Why state of these layers cannot be stored yet, or None when it can."""
-    kinds = sorted({type(spec).__name__ for spec in specs if not isinstance(spec, STORABLE_SPECS)})
-    return f"no state adapter yet for {', '.join(kinds)}" if kinds else None

@@ -17,6 +17,7 @@ from aiohttp import web
 from metering.ledger import LedgerError
 from node.app import CONFIG, METER, METRICS, SERVICE, caller_of, read_json
 from node.config import Caller
+from node.engine.chat_template import RenderedChat
 from node.engine.runner import GenerationRequest, GenerationResult
 from node.engine.scheduler import Event, Failed, Finished, Job, QueueFullError, TextDelta
 from node.errors import ApiError, model_not_found, queue_full
@@ -112,7 +113,7 @@ async def _next_event(job: MeteredJob) -> Event:
                        "retry later", type="server_error", code="metering_unavailable") from exc
 
 
-async def _respond(request: web.Request, service: ModelService, caller: Caller, prompt: list[int],
+async def _respond(request: web.Request, service: ModelService, caller: Caller, prompt: RenderedChat,
                    params: CommonParams, shape: Shape) -> web.StreamResponse:
     generation = service.request(caller.name, prompt, params, request.app[CONFIG].limits,
                                  prompt_param="messages" if shape.chat else "prompt")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import resource
@@ -58,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from cache.prefix_cache import PrefixCache
+    from cache.snapshot_policy import PolicyError, SnapshotPolicy
     from node.app import METER, create_app
     from node.engine.loader import ModelLoadError, load_model, resolve_model_dir
     from node.meter import MeteringPaths, ensure_price_file
@@ -81,8 +83,14 @@ def _serve(args: argparse.Namespace) -> int:
     except (ConfigError, ModelLoadError, PricingError, OSError) as exc:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
-    prefix_cache = None if args.no_reuse else PrefixCache(config.cache)
-    service = ModelService.create(loaded, prefix_cache, config.limits.max_queue)
+    try:
+        policy = SnapshotPolicy.named(args.reuse_policy, args.snapshot_interval)
+    except PolicyError as exc:
+        print(f"tenzro: error: {exc}", file=sys.stderr)
+        return 2
+    budget = dataclasses.replace(config.cache, eviction=args.eviction) if args.eviction else config.cache
+    prefix_cache = None if args.no_reuse else PrefixCache(budget)
+    service = ModelService.create(loaded, prefix_cache, config.limits.max_queue, policy)
     app = create_app(config, config_path, service, prefix_cache, metering)
     message = _how_to_call(args.host, args.port, model_id, new_key)
     try:
@@ -138,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--pricing", help="price file, re-read when it changes (default: "
                        "$TENZRO_HOME/pricing.yaml, created from policies/pricing.yaml when missing)")
     serve.add_argument("--no-reuse", action="store_true", help="compute every prompt from scratch")
+    serve.add_argument("--reuse-policy", default="ours", choices=["ours", "interval", "exact"],
+                       help="where snapshots are taken: message boundaries, branch points and ends (ours), "
+                            "a fixed interval only, or the ends of stored sequences only (exact extension)")
+    serve.add_argument("--snapshot-interval", type=int, default=256,
+                       help="tokens between snapshots of prompts without message structure (0: off)")
+    serve.add_argument("--eviction", choices=["value", "lru"],
+                       help="under a tight budget, evict by compute saved per byte and recency (value, the "
+                            "default) or by recency alone (lru)")
     serve.add_argument("--threads", type=int, default=default_threads(), help="torch CPU threads")
     serve.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from cache.arena import Scope
 from cache.prefix_cache import PrefixCache
+from cache.snapshot_policy import SnapshotPolicy
 from node.config import Limits
+from node.engine.chat_template import ChatTemplateError, RenderedChat, render_chat
 from node.engine.loader import LoadedModel
 from node.engine.runner import GenerationRequest, Runner
 from node.engine.sampling import SamplingParams
@@ -22,36 +24,36 @@ class ModelService:
     scheduler: Scheduler
 
     @classmethod
-    def create(cls, loaded: LoadedModel, prefix_cache: PrefixCache | None, max_queue: int) -> ModelService:
-        runner = Runner(loaded, prefix_cache)
+    def create(cls, loaded: LoadedModel, prefix_cache: PrefixCache | None, max_queue: int,
+               policy: SnapshotPolicy | None = None) -> ModelService:
+        runner = Runner(loaded, prefix_cache, policy=policy)
         return cls(loaded, runner, Scheduler(runner, max_queue))
 
     @property
     def model_id(self) -> str:
         return self.loaded.model_id
 
-    def chat_prompt(self, messages: tuple[Message, ...]) -> list[int]:
-        tokenizer = self.loaded.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise invalid_request(f"the model {self.model_id!r} has no chat template; use /v1/completions")
-        encoded = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                                add_generation_prompt=True, tokenize=True)
-        ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
-        return [int(t) for t in ids]
+    def chat_prompt(self, messages: tuple[Message, ...]) -> RenderedChat:
+        try:
+            return render_chat(self.loaded.tokenizer, [{"role": m.role, "content": m.content} for m in messages])
+        except ChatTemplateError as exc:
+            raise invalid_request(f"model {self.model_id!r}: {exc}", param="messages") from exc
 
-    def text_prompt(self, prompt: str | tuple[int, ...]) -> list[int]:
+    def text_prompt(self, prompt: str | tuple[int, ...]) -> RenderedChat:
+        """A text completion prompt: no message structure, so no boundaries."""
         if isinstance(prompt, str):
-            return list(self.loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            return RenderedChat(list(self.loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]), ())
         vocab = self.loaded.model.config.get_text_config(decoder=True).vocab_size
         bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
         if bad is not None:
             raise invalid_request(f"prompt[{bad}] is not a token id of this model (0 to {vocab - 1})",
                                   param="prompt")
-        return list(prompt)
+        return RenderedChat(list(prompt), ())
 
-    def request(self, caller: str, prompt: list[int], params: CommonParams, limits: Limits,
+    def request(self, caller: str, rendered: RenderedChat, params: CommonParams, limits: Limits,
                 prompt_param: str) -> GenerationRequest:
         """Check the prompt against the context length and build the engine request."""
+        prompt = rendered.ids
         context = self.loaded.context_length
         if not prompt:
             raise invalid_request("the prompt is empty", param=prompt_param)
@@ -68,4 +70,5 @@ class ModelService:
                                   param="max_tokens", code="context_length_exceeded")
         sampling = SamplingParams(max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
                                   seed=params.seed, stop=params.stop)
-        return GenerationRequest(scope=Scope(caller=caller, model=self.model_id), prompt=prompt, params=sampling)
+        return GenerationRequest(scope=Scope(caller=caller, model=self.model_id), prompt=prompt, params=sampling,
+                                 boundaries=rendered.boundaries)

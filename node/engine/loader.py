@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cache.adapters import ModelStateAdapter
-from cache.state_spec import UnsupportedLayerKindError, model_state_specs, reuse_blocker
+from cache.state_spec import UnsupportedLayerKindError, model_state_specs
 from node.engine.cpu_layout import transpose_linear_weights
 from node.engine.synthetic import ensure_default_model
 
@@ -87,11 +87,9 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
     text_config = config.get_text_config(decoder=True)
     context = int(getattr(text_config, "max_position_embeddings", 0) or tokenizer.model_max_length)
     state: ModelStateAdapter | None = None
+    blocker: str | None = None
     try:
-        specs = model_state_specs(text_config)
-        blocker = reuse_blocker(specs)
-        if blocker is None:
-            state = ModelStateAdapter(specs, model.config)
+        state = ModelStateAdapter(model_state_specs(model.config), model.config)
     except UnsupportedLayerKindError as exc:
         blocker = str(exc)
     if blocker:

@@ -14,9 +14,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from cache.adapters import Snapshot
 from cache.arena import Scope
 from cache.prefix_cache import PrefixCache
 from cache.radix_tree import common_prefix_length
+from cache.snapshot_policy import SnapshotPolicy
 from node.engine.detokenizer import Detokenizer
 from node.engine.loader import LoadedModel
 from node.engine.sampling import Sampler, SamplingParams
@@ -27,6 +29,8 @@ class GenerationRequest:
     scope: Scope
     prompt: list[int]
     params: SamplingParams
+    boundaries: tuple[int, ...] = ()
+    """Token positions where messages of the rendered chat template start (snapshot candidates)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +49,10 @@ class GenerationResult:
 
 
 class Runner:
-    def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache | None, prefill_chunk: int = 1024) -> None:
+    def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache | None, prefill_chunk: int = 1024,
+                 policy: SnapshotPolicy | None = None) -> None:
         self.loaded = loaded
+        self.policy = policy or SnapshotPolicy()
         self.prefix_cache = prefix_cache if loaded.state is not None else None
         if self.prefix_cache is not None and loaded.state is not None:
             self.prefix_cache.register_model(loaded.model_id, loaded.state)
@@ -67,13 +73,30 @@ class Runner:
                                 logits_to_keep=1)
         return out.logits[0, -1].float()
 
-    def _prefill(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
+    @property
+    def _takes_snapshots(self) -> bool:
+        state = self.loaded.state
+        return state is not None and (state.needs_snapshots or not self.policy.anywhere)
+
+    def _prefill(self, prompt: list[int], start: int, cache: DynamicCache, snapshot_at: list[int]
+                 ) -> tuple[torch.Tensor, dict[int, Snapshot]]:
+        """Run `prompt[start:]` in chunks ending on every snapshot position; returns the last logits and
+        the snapshots taken."""
+        stops = sorted(set(snapshot_at) | set(range(start + self.prefill_chunk, len(prompt), self.prefill_chunk))
+                       | {len(prompt)})
+        wanted = set(snapshot_at)
+        snapshots: dict[int, Snapshot] = {}
         logits: torch.Tensor | None = None
-        for offset in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[offset:offset + self.prefill_chunk]
-            logits = self._forward(chunk, start + offset, cache)
+        position = start
+        for stop in stops:
+            if stop <= position:
+                continue
+            logits = self._forward(prompt[position:stop], position, cache)
+            position = stop
+            if stop in wanted and self.loaded.state is not None:
+                snapshots[stop] = self.loaded.state.snapshot(cache)
         assert logits is not None
-        return logits
+        return logits, snapshots
 
 
     @torch.inference_mode()
@@ -82,33 +105,42 @@ class Runner:
 
         Returns (logits `[vocab]`, tokens restored).
         """
-        cache, restored = self._restore(scope, prompt, capacity=len(prompt))
-        logits = self._prefill(prompt[restored:], restored, cache)
-        self._store(scope, prompt, cache)
+        cache, restored, matched = self._restore(scope, prompt, capacity=len(prompt))
+        logits, snapshots = self._prefill(prompt, restored, cache, self._snapshot_plan(prompt, (), restored, matched))
+        self._store(scope, prompt, cache, snapshots)
         return logits, restored
 
-    def _restore(self, scope: Scope, prompt: list[int], capacity: int) -> tuple[DynamicCache, int]:
+    def _snapshot_plan(self, prompt: list[int], boundaries: tuple[int, ...], start: int, matched: int) -> list[int]:
+        if not self._takes_snapshots:
+            return []
+        return self.policy.prompt_positions(start, len(prompt), boundaries, branch=matched if matched > start else 0)
+
+    def _restore(self, scope: Scope, prompt: list[int], capacity: int) -> tuple[DynamicCache, int, int]:
+        """A working cache resumed at the deepest resume point; (cache, its length, tokens matched)."""
         state, hot = self.loaded.state, self._hot
         self._hot = None  # the working buffers are about to be overwritten
         if self.prefix_cache is None or state is None:
-            return DynamicCache(config=self.loaded.model.config), 0
+            return DynamicCache(config=self.loaded.model.config), 0, 0
         # At least one prompt token is always computed: its logits choose the first output token.
-        lease = self.prefix_cache.acquire(scope, prompt, limit=len(prompt) - 1)
+        lease = self.prefix_cache.acquire(scope, prompt, limit=len(prompt) - 1,
+                                          anywhere=not self._takes_snapshots)
         try:
             # The same scope's last request left its state in the working buffers: the part of the lease
             # it covers needs no copy.
             warm = min(common_prefix_length(hot[1], tuple(prompt)), lease.length) if hot and hot[0] == scope else 0
             cache, adopted = state.new_cache(capacity, adopt=warm)
-            state.restore(cache, self.prefix_cache.restore_list(lease), skip=adopted)
+            state.restore(cache, self.prefix_cache.restore_list(lease), skip=adopted, snapshot=lease.snapshot,
+                          position=lease.length)
         finally:
             self.prefix_cache.release(lease)
-        return cache, lease.length
+        return cache, lease.length, lease.matched
 
-    def _store(self, scope: Scope, tokens: list[int], cache: DynamicCache) -> int:
+    def _store(self, scope: Scope, tokens: list[int], cache: DynamicCache, snapshots: dict[int, Snapshot]) -> int:
         if self.prefix_cache is None or self.loaded.state is None:
             return 0
         state = self.loaded.state
-        result = self.prefix_cache.store(scope, tokens, lambda start, end: state.extract(cache, start, end))
+        result = self.prefix_cache.store(scope, tokens, lambda start, end: state.extract(cache, start, end),
+                                         snapshots)
         self._hot = (scope, tuple(tokens))
         return result.stored
 
@@ -118,8 +150,9 @@ class Runner:
         """Run one request; `emit` gets each text delta as soon as it is safe to send."""
         started = time.perf_counter()
         params, prompt = request.params, request.prompt
-        cache, restored = self._restore(request.scope, prompt, capacity=len(prompt) + params.max_tokens)
-        logits = self._prefill(prompt[restored:], restored, cache)
+        cache, restored, matched = self._restore(request.scope, prompt, capacity=len(prompt) + params.max_tokens)
+        logits, snapshots = self._prefill(prompt, restored, cache,
+                                          self._snapshot_plan(prompt, request.boundaries, restored, matched))
         sampler = Sampler(params)
         detok = Detokenizer(self.loaded.tokenizer, params.stop)
         output: list[int] = []
@@ -148,7 +181,9 @@ class Runner:
         if output and self.prefix_cache is not None:
             # The last token was sampled but not yet run: run it so the stored state ends with the reply.
             self._forward([output[-1]], len(fed) - 1, cache)
-        stored = self._store(request.scope, fed, cache)
+            if self._takes_snapshots and self.policy.ends and self.loaded.state is not None:
+                snapshots[len(fed)] = self.loaded.state.snapshot(cache)
+        stored = self._store(request.scope, fed, cache, snapshots)
         written = min(stored, max(0, len(prompt) - (len(fed) - stored)))
         return GenerationResult(prompt_tokens=len(prompt), cached_read_tokens=restored,
                                 cached_write_tokens=written, output_ids=output, text=detok.text,

@@ -20,7 +20,7 @@ ALICE, BOB = Scope("alice", "m"), Scope("bob", "m")
 def make_cache(node_tokens: int = 10_000, caller_tokens: int = 10_000) -> PrefixCache:
     config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                          num_hidden_layers=LAYERS, intermediate_size=8, vocab_size=100)
-    cache = PrefixCache(CacheBudget(node_tokens * BYTES_PER_TOKEN, caller_tokens * BYTES_PER_TOKEN))
+    cache = PrefixCache(CacheBudget(node_tokens * BYTES_PER_TOKEN, caller_tokens * BYTES_PER_TOKEN, "lru"))
     cache.register_model("m", ModelStateAdapter(model_state_specs(config), config))
     return cache
 
@@ -54,20 +54,20 @@ def test_lease_restores_the_right_tokens_across_spans() -> None:
     cache = make_cache()
     store(cache, ALICE, list(range(10)))
     store(cache, ALICE, list(range(5)) + [50, 51, 52])
-    lease = cache.acquire(ALICE, list(range(5)) + [50, 51, 99], limit=100)
+    lease = cache.acquire(ALICE, list(range(5)) + [50, 51, 99], limit=100, anywhere=True)
     assert lease.length == 7
     pieces = cache.restore_list(lease)
     restored = torch.cat([state[0].keys[:, :, :take] for state, take in pieces], dim=2)
     assert restored[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 50, 51]
     cache.release(lease)
-    assert cache.acquire(ALICE, list(range(10)), limit=9).length == 9
+    assert cache.acquire(ALICE, list(range(10)), limit=9, anywhere=True).length == 9
 
 
 def test_scopes_never_share_state() -> None:
     cache = make_cache()
     store(cache, ALICE, list(range(20)))
-    assert cache.acquire(BOB, list(range(20)), limit=19).length == 0
-    assert cache.acquire(Scope("alice", "other-model"), list(range(20)), limit=19).length == 0
+    assert cache.acquire(BOB, list(range(20)), limit=19, anywhere=True).length == 0
+    assert cache.acquire(Scope("alice", "other-model"), list(range(20)), limit=19, anywhere=True).length == 0
     assert store(cache, BOB, list(range(20))) == 20
     assert cache.arena.bytes_of_caller("alice") == cache.arena.bytes_of_caller("bob") == 20 * BYTES_PER_TOKEN
 
@@ -77,11 +77,11 @@ def test_caller_budget_evicts_that_callers_least_recently_used_leaves_first() ->
     store(cache, ALICE, [1] + list(range(100, 110)))  # 11 tokens
     store(cache, ALICE, [2] + list(range(200, 210)))  # 11 tokens
     store(cache, BOB, [1] + list(range(100, 110)))
-    cache.acquire(ALICE, [1, 100], limit=2)  # touch the first: now the second is least recent
+    cache.acquire(ALICE, [1, 100], limit=2, anywhere=True)  # touch the first: now the second is least recent
     store(cache, ALICE, [3] + list(range(300, 305)))  # 6 more: 28 > 25, evict one
     assert cache.cached_tokens(ALICE) == 17
-    assert cache.acquire(ALICE, [2, 200], limit=2).length == 0
-    assert cache.acquire(ALICE, [1, 100], limit=2).length == 2
+    assert cache.acquire(ALICE, [2, 200], limit=2, anywhere=True).length == 0
+    assert cache.acquire(ALICE, [1, 100], limit=2, anywhere=True).length == 2
     assert cache.cached_tokens(BOB) == 11
     assert cache.evicted_spans == 1
 
@@ -90,11 +90,11 @@ def test_node_budget_evicts_across_callers_by_recency_and_never_a_leased_span() 
     cache = make_cache(node_tokens=30)
     store(cache, ALICE, [1] * 12)
     store(cache, BOB, [2] * 12)
-    lease = cache.acquire(ALICE, [1] * 12, limit=11)  # Alice's span is older but held
+    lease = cache.acquire(ALICE, [1] * 12, limit=11, anywhere=True)  # Alice's span is older but held
     store(cache, BOB, [3] * 12)  # 36 > 30
     assert cache.cached_tokens(ALICE) == 12
     assert cache.cached_tokens(BOB) == 12
-    assert cache.acquire(BOB, [2] * 12, limit=11).length == 0
+    assert cache.acquire(BOB, [2] * 12, limit=11, anywhere=True).length == 0
     cache.release(lease)
     assert cache.arena.bytes_total == 24 * BYTES_PER_TOKEN
 

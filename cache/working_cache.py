@@ -1,0 +1,103 @@
+"""The engine's working cache for full-attention layers: preallocated, reused buffers.
+
+transformers' `DynamicLayer` grows by `torch.cat` on every forward, copying the whole history each decode
+step; on this CPU a fresh multi-megabyte allocation also page-faults. These layers write in place into
+buffers that a pool keeps between requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+
+class BufferPool:
+    """Working buffers kept between requests, so each request does not page-fault fresh memory.
+
+    Requests run one at a time per model; a buffer handed out is valid until the next `take` of the same
+    slot, and still holds what the last request wrote, which lets the next request of the same scope
+    continue from it (see `GrowableKVLayer.adopt`). Stored spans are always clones, never views of these.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def take(self, slot: int, like: torch.Tensor, shape: tuple[int, ...], keep: int = 0) -> torch.Tensor:
+        """A tensor of `shape` (seq on dim 2) with `like`'s dtype and device, backed by slot's buffer.
+
+        The first `keep` tokens of the slot's previous contents survive a reallocation.
+        """
+        held = self._buffers.get(slot)
+        if (held is None or held.dtype != like.dtype or held.device != like.device
+                or held.shape[:2] + held.shape[3:] != shape[:2] + shape[3:] or held.shape[2] < shape[2]):
+            fresh = like.new_empty(shape)
+            if keep and held is not None:
+                fresh[:, :, :keep].copy_(held[:, :, :keep])
+            held = self._buffers[slot] = fresh
+        return held[:, :, :shape[2]]
+
+    def held(self, slot: int) -> torch.Tensor | None:
+        return self._buffers.get(slot)
+
+
+class GrowableKVLayer(DynamicLayer):
+    """A full-attention layer writing into a preallocated buffer instead of `torch.cat` on every step.
+
+    `keys`/`values` are views `[batch, kv_heads, seq, head_dim]` of buffers holding `capacity` tokens, so
+    transformers' length and mask logic see the ordinary shapes. Growing past the capacity doubles it.
+    """
+
+    def __init__(self, capacity: int, pool: BufferPool | None = None, slot: int = 0) -> None:
+        super().__init__()
+        self.capacity = max(1, capacity)
+        self._pool = pool
+        self._slot = slot
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        if self._key_buffer is None or end > self._key_buffer.shape[-2]:
+            grown = max(end, 2 * self.capacity) if self._key_buffer is not None else max(end, self.capacity)
+            self._grow(key_states, value_states, grown, start)
+        assert self._key_buffer is not None and self._value_buffer is not None
+        self._key_buffer[:, :, start:end].copy_(key_states)
+        self._value_buffer[:, :, start:end].copy_(value_states)
+        self.keys = self._key_buffer[:, :, :end]
+        self.values = self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def adopt(self, length: int) -> bool:
+        """Start from the first `length` tokens the pool's buffers hold from the previous request.
+
+        The caller vouches that those tokens are this request's prefix in the same scope.
+        """
+        assert self._pool is not None and not self.is_initialized
+        held_keys, held_values = self._pool.held(2 * self._slot), self._pool.held(2 * self._slot + 1)
+        if held_keys is None or held_values is None or held_keys.shape[2] < length:
+            return False
+        self.device, self.is_initialized = held_keys.device, True
+        self.keys, self.values = held_keys[:, :, :length], held_values[:, :, :length]
+        self._grow(held_keys, held_values, max(self.capacity, length), filled=length)
+        return True
+
+    def _grow(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, filled: int) -> None:
+        batch, heads, _, head_dim = keys.shape
+        key_shape, value_shape = (batch, heads, capacity, head_dim), (batch, heads, capacity, values.shape[-1])
+        if self._pool is not None:
+            key_buffer = self._pool.take(2 * self._slot, keys, key_shape, keep=filled)
+            value_buffer = self._pool.take(2 * self._slot + 1, values, value_shape, keep=filled)
+        else:
+            key_buffer, value_buffer = keys.new_empty(key_shape), values.new_empty(value_shape)
+            if filled:
+                assert self.keys is not None and self.values is not None
+                key_buffer[:, :, :filled].copy_(self.keys)
+                value_buffer[:, :, :filled].copy_(self.values)
+        self._key_buffer, self._value_buffer, self.capacity = key_buffer, value_buffer, capacity
+        self.keys, self.values = key_buffer[:, :, :filled], value_buffer[:, :, :filled]
