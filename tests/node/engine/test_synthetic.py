@@ -30,7 +30,7 @@ def test_the_model_loads_with_its_chat_template_and_eos(small_model_dir: Path) -
 
 
 def test_unknown_architecture_and_non_model_directory_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(UnknownArchitectureError, match="choose one of: dense"):
+    with pytest.raises(UnknownArchitectureError, match="choose one of: .*dense"):
         init_model("transformer-xl", tmp_path / "x")
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_model("x", tmp_path)
