@@ -14,31 +14,11 @@ import heapq
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from cache.adapters import ModelStateAdapter, Snapshot, SpanState, state_bytes
 from cache.arena import Scope, SpanHandle, StateArena
+from cache.budget import CacheBudget
 from cache.radix_tree import RadixTree, TreeNode
-
-EvictionPolicy = Literal["lru", "value"]
-
-
-class BudgetError(ValueError):
-    """A cache budget that cannot work (negative)."""
-
-
-@dataclass(frozen=True, slots=True)
-class CacheBudget:
-    node_bytes: int
-    caller_bytes: int
-    eviction: EvictionPolicy = "value"
-
-    def __post_init__(self) -> None:
-        if self.node_bytes < 0 or self.caller_bytes < 0:
-            raise BudgetError("cache budgets must be zero or positive byte counts")
-        if self.eviction not in ("lru", "value"):
-            raise BudgetError("cache eviction must be 'lru' or 'value'")
-
 
 @dataclass(frozen=True, slots=True)
 class ReuseLease:

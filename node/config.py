@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from cache.prefix_cache import CacheBudget
+from cache.budget import CacheBudget
 
 KEY_PREFIX = "tz-"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

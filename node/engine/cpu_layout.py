@@ -20,6 +20,11 @@ class TransposedLinear(nn.Module):
         self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
         self.bias = linear.bias
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The `[out, in]` view models expect to read (dtype, device, shape)."""
+        return self.weight_t.t()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x`: `[..., in]` -> `[..., out]`."""
         out = x.reshape(-1, self.in_features) @ self.weight_t

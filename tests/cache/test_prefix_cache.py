@@ -9,7 +9,8 @@ from transformers import LlamaConfig
 
 from cache.adapters import KVPiece, ModelStateAdapter, SpanState
 from cache.arena import Scope
-from cache.prefix_cache import CacheBudget, PrefixCache
+from cache.budget import CacheBudget
+from cache.prefix_cache import PrefixCache
 from cache.state_spec import model_state_specs
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 4

@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,27 +56,36 @@ class Node:
         return result.stdout.strip().splitlines()[-1]
 
 
-def start_node(tmp: Path, model: Path, *extra: str, config_text: str | None = None) -> Node:
+def launch_node(tmp: Path, model: Path, *extra: str, config_text: str | None = None) -> Node:
+    """Start `tenzro node serve` without waiting; its output goes to `tmp/node.log`."""
     env = {**os.environ, "TENZRO_HOME": str(tmp / "home")}
+    tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "node.yaml"
     if config_text is not None:
-        tmp.mkdir(parents=True, exist_ok=True)
         config.write_text(config_text)
     port = free_port()
-    process = subprocess.Popen(
-        [TENZRO, "node", "serve", "--model", str(model), "--port", str(port), "--config", str(config),
-         "--threads", "1", *extra],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    with (tmp / "node.log").open("w") as log:
+        process = subprocess.Popen(
+            [TENZRO, "node", "serve", "--model", str(model), "--port", str(port), "--config", str(config),
+             "--threads", "1", *extra],
+            env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return Node(f"http://127.0.0.1:{port}", process, config, env)
+
+
+def wait_healthy(node: Node, timeout_s: float = 120) -> Node:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"node exited: {process.stdout.read() if process.stdout else ''}")
-        if http_status(url + "/health") == 200:
-            return Node(url, process, config, env)
+        if node.process.poll() is not None:
+            raise RuntimeError(f"node exited: {(node.config.parent / 'node.log').read_text()}")
+        if http_status(node.url + "/health") == 200:
+            return node
         time.sleep(0.2)
-    process.kill()
+    node.process.kill()
     raise RuntimeError("node did not become healthy")
+
+
+def start_node(tmp: Path, model: Path, *extra: str, config_text: str | None = None) -> Node:
+    return wait_healthy(launch_node(tmp, model, *extra, config_text=config_text))
 
 
 def stop_node(node: Node) -> None:
@@ -86,15 +96,29 @@ def stop_node(node: Node) -> None:
         node.process.kill()
 
 
-@pytest.fixture
-def node_factory(tmp_path: Path) -> Iterator:
-    started: list[Node] = []
+class NodeFactory:
+    """Nodes for one test, stopped at its end; `all` starts several at once to overlap their start-up."""
 
-    def make(model: Path, *extra: str, config_text: str | None = None) -> Node:
-        node = start_node(tmp_path / f"node{len(started)}", model, *extra, config_text=config_text)
-        started.append(node)
+    def __init__(self, tmp: Path) -> None:
+        self._tmp = tmp
+        self.started: list[Node] = []
+
+    def _launch(self, model: Path, *extra: str, config_text: str | None = None) -> Node:
+        node = launch_node(self._tmp / f"node{len(self.started)}", model, *extra, config_text=config_text)
+        self.started.append(node)
         return node
 
-    yield make
-    for node in started:
+    def __call__(self, model: Path, *extra: str, config_text: str | None = None) -> Node:
+        return wait_healthy(self._launch(model, *extra, config_text=config_text))
+
+    def all(self, *specs: tuple[Any, ...]) -> list[Node]:
+        nodes = [self._launch(*spec) for spec in specs]
+        return [wait_healthy(node) for node in nodes]
+
+
+@pytest.fixture
+def node_factory(tmp_path: Path) -> Iterator[NodeFactory]:
+    factory = NodeFactory(tmp_path)
+    yield factory
+    for node in factory.started:
         stop_node(node)

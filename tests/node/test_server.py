@@ -29,8 +29,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def test_five_turn_chat_reuses_history_and_matches_no_reuse(node_factory, small_model_dir: Path) -> None:
-    reuse = node_factory(small_model_dir)
-    plain = node_factory(small_model_dir, "--no-reuse")
+    reuse, plain = node_factory.all((small_model_dir,), (small_model_dir, "--no-reuse"))
     model = small_model_dir.name
     oracle = Runner(load_model(model, small_model_dir), None)  # in-process, reuse off: the generated ids
     tokenizer = oracle.loaded.tokenizer

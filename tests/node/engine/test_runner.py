@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from cache.arena import Scope
-from cache.prefix_cache import CacheBudget, PrefixCache
+from cache.budget import CacheBudget
+from cache.prefix_cache import PrefixCache
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, Runner
 from node.engine.sampling import SamplingParams
