@@ -20,6 +20,7 @@ from cache.arena import Scope, SpanHandle, StateArena
 from cache.budget import CacheBudget
 from cache.radix_tree import RadixTree, TreeNode
 
+
 @dataclass(frozen=True, slots=True)
 class ReuseLease:
     """Stored state to resume `tokens` at `length`, locked against eviction until released."""

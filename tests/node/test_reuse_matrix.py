@@ -7,8 +7,6 @@ prompt, and one whose history is edited in the middle.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import openai
 import pytest
 
