@@ -41,6 +41,8 @@ class StateArena:
         self._caller_bytes: defaultdict[str, int] = defaultdict(int)
         self._next = itertools.count(1)
         self.bytes_total = 0
+        self.snapshot_bytes = 0
+        """The part of `bytes_total` held in snapshots."""
 
     def _account(self, scope: Scope, delta: int) -> None:
         self._caller_bytes[scope.caller] += delta
@@ -53,6 +55,7 @@ class StateArena:
         size = state_bytes(span) + state_bytes(snapshot)
         self._entries[handle] = _Entry(scope, span, snapshot, size)
         self._account(scope, size)
+        self.snapshot_bytes += state_bytes(snapshot)
         return handle
 
     def span(self, handle: SpanHandle) -> SpanState:
@@ -71,18 +74,21 @@ class StateArena:
             size = state_bytes(snapshot)
             entry.snapshot, entry.nbytes = snapshot, entry.nbytes + size
             self._account(entry.scope, size)
+            self.snapshot_bytes += size
 
     def drop_snapshot(self, handle: SpanHandle) -> int:
         entry = self._entries[handle]
         size = state_bytes(entry.snapshot)
         entry.snapshot, entry.nbytes = None, entry.nbytes - size
         self._account(entry.scope, -size)
+        self.snapshot_bytes -= size
         return size
 
     def free(self, handle: SpanHandle) -> int:
         """Drop a handle's state; returns the bytes released."""
         entry = self._entries.pop(handle)
         self._account(entry.scope, -entry.nbytes)
+        self.snapshot_bytes -= state_bytes(entry.snapshot)
         return entry.nbytes
 
     def split(self, handle: SpanHandle, parts: tuple[SpanState, SpanState]) -> tuple[SpanHandle, SpanHandle]:

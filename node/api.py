@@ -94,7 +94,7 @@ def _submit(request: web.Request, service: ModelService, caller: Caller, generat
 
 
 def _observe(request: web.Request, result: GenerationResult) -> None:
-    request.app[METRICS].observe_generation(result.prompt_tokens, result.cached_read_tokens,
+    request.app[METRICS].observe_generation(result.prompt_tokens, result.cached_read_tokens, result.matched_tokens,
                                             len(result.output_ids), result.ttft_s, result.queue_wait_s)
 
 
@@ -126,7 +126,11 @@ async def _respond(request: web.Request, service: ModelService, caller: Caller, 
             event = await _next_event(job)
             if isinstance(event, Finished):
                 _observe(request, event.result)
-                return web.json_response(shape.complete(event.result))
+                body = shape.complete(event.result)
+                if params.return_token_ids:
+                    body["prompt_token_ids"] = prompt.ids
+                    body["choices"][0]["token_ids"] = event.result.output_ids
+                return web.json_response(body)
             if isinstance(event, Failed):
                 _raise_failure(event)
     finally:

@@ -27,6 +27,9 @@ class CommonParams:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False
+    """An extension (as in vLLM): the response also carries the prompt's and the reply's token ids, so an
+    agent can send ids back and never lose reuse to re-tokenisation."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,10 @@ def _common(body: Any) -> CommonParams:
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise invalid_request("'stream_options' must be an object like {\"include_usage\": true}",
                               param="stream_options")
+    return_ids = body.get("return_token_ids", False)
+    if not isinstance(return_ids, bool) or (return_ids and stream):
+        raise invalid_request("'return_token_ids' must be true or false, and is supported without 'stream' only",
+                              param="return_token_ids")
     max_tokens = _optional_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_tokens", 1)
@@ -99,6 +106,7 @@ def _common(body: Any) -> CommonParams:
         stop=stops,
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
+        return_token_ids=return_ids,
     )
 
 

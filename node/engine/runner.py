@@ -46,6 +46,9 @@ class GenerationResult:
     """"stop" (end of sequence or a stop string), "length" (max_tokens) or "cancelled"."""
     queue_wait_s: float
     ttft_s: float
+    matched_tokens: int = 0
+    """Prompt tokens that agreed with this scope's stored tokens (at most all but one): what a node able to
+    resume at any token would have reused. `cached_read_tokens` falls short of it only between snapshots."""
 
 
 class Runner:
@@ -187,4 +190,5 @@ class Runner:
         written = min(stored, max(0, len(prompt) - (len(fed) - stored)))
         return GenerationResult(prompt_tokens=len(prompt), cached_read_tokens=restored,
                                 cached_write_tokens=written, output_ids=output, text=detok.text,
-                                finish_reason=finish_reason, queue_wait_s=queue_wait_s, ttft_s=ttft)
+                                finish_reason=finish_reason, queue_wait_s=queue_wait_s, ttft_s=ttft,
+                                matched_tokens=min(max(matched, restored), len(prompt) - 1))
