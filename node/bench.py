@@ -227,8 +227,10 @@ class LocalNode:
     """`tenzro node serve` as a subprocess on a free loopback port, with its own config and key in
     `workdir`; TENZRO_HOME is left alone so the default model cache is shared with the user's."""
 
-    def __init__(self, workdir: Path, model: str, threads: int, device: str | None) -> None:
+    def __init__(self, workdir: Path, model: str, threads: int, device: str | None,
+                 extra: tuple[str, ...] = ()) -> None:
         self.tenzro = [sys.executable, "-m", "node"]
+        self.extra = extra
         self.model, self.threads, self.device = model, threads, device
         self.config = workdir / "node.yaml"
         self.log = workdir / "node.log"
@@ -249,6 +251,7 @@ class LocalNode:
                    "--host", "127.0.0.1", "--port", str(self.port), "--threads", str(self.threads)]
         if self.device:
             command += ["--device", self.device]
+        command += list(self.extra)
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 

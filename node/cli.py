@@ -126,6 +126,18 @@ def _models_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_agent(args: argparse.Namespace) -> int:
+    from node.bench_agent import run_agent_bench
+
+    return run_agent_bench(args)
+
+
+def _bench_scenarios(args: argparse.Namespace) -> int:
+    from node.bench_scenarios import run_scenarios_bench
+
+    return run_scenarios_bench(args)
+
+
 def _bench_reuse(args: argparse.Namespace) -> int:
     from node.bench import run_reuse_bench
 
@@ -188,6 +200,33 @@ def build_parser() -> argparse.ArgumentParser:
     reuse.add_argument("--out", default="bench-results/reuse.json")
     reuse.add_argument("--device", help="device of the local node")
     reuse.set_defaults(func=_bench_reuse)
+
+    agent = bench.add_parser("agent", help="an agent workload: reused tokens and TTFT per reuse policy")
+    agent.add_argument("--url", help="an OpenAI-compatible base URL to measure as one more mode")
+    agent.add_argument("--model", default="hybrid",
+                       help="local: a model directory or a `models init --arch` name (built at default size)")
+    agent.add_argument("--api-key", default=os.environ.get("TENZRO_API_KEY") or os.environ.get("OPENAI_API_KEY"))
+    agent.add_argument("--threads", type=int, default=1)
+    agent.add_argument("--episodes", type=int, default=3)
+    agent.add_argument("--steps", type=int, default=10)
+    agent.add_argument("--budget-mib", type=int, default=0,
+                       help="also compare eviction policies (value vs lru) under this node budget")
+    agent.add_argument("--out", default="bench-results/agent.json")
+    agent.add_argument("--device")
+    agent.set_defaults(func=_bench_agent)
+
+    scenarios = bench.add_parser("scenarios", help="token-exact recompute scenarios on a hybrid model")
+    scenarios.add_argument("--url", help="an OpenAI-compatible base URL to measure instead of a local node")
+    scenarios.add_argument("--model", default="granite-moe-hybrid",
+                           help="local: a model directory or a `models init --arch` name (built at default size)")
+    scenarios.add_argument("--api-key",
+                           default=os.environ.get("TENZRO_API_KEY") or os.environ.get("OPENAI_API_KEY"))
+    scenarios.add_argument("--threads", type=int, default=1)
+    scenarios.add_argument("--snapshot-interval", type=int, default=128)
+    scenarios.add_argument("--runs", type=int, default=3)
+    scenarios.add_argument("--out", default="bench-results/scenarios.json")
+    scenarios.add_argument("--device")
+    scenarios.set_defaults(func=_bench_scenarios)
     return parser
 
 
