@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from cache.adapters import ModelStateAdapter
 from cache.state_spec import UnsupportedLayerKindError, model_state_specs
 from node.engine.cpu_layout import transpose_linear_weights
-from node.engine.synthetic import ensure_default_model
+from node.engine.synthetic import ARCHITECTURES, ensure_default_model
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,17 @@ class LoadedModel:
 
 
 def resolve_model_dir(spec: str, home: Path) -> tuple[str, Path]:
-    """(model id, directory) for `--model default|DIR`; builds the default model on first use."""
+    """(model id, directory) for `--model default|ARCH|DIR`.
+
+    `default` is the embedded dense model; an architecture name of `tenzro models init` that is not an
+    existing path is that architecture's generated model at default size. Both are built on first use.
+    """
     if spec == DEFAULT_MODEL:
         return DEFAULT_MODEL, ensure_default_model(home / "models")
-    path = Path(spec).expanduser().resolve()
+    path = Path(spec).expanduser()
+    if spec in ARCHITECTURES and not path.exists():
+        return spec, ensure_default_model(home / "models", arch=spec)
+    path = path.resolve()
     return path.name, path
 
 
