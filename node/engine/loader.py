@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cache.adapters import ModelStateAdapter
 from cache.state_spec import UnsupportedLayerKindError, model_state_specs
+from node.engine import mamba1
 from node.engine.cpu_layout import transpose_linear_weights
 from node.engine.synthetic import ARCHITECTURES, ensure_default_model
 
@@ -87,6 +88,7 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         model = model.to(device=target).eval()  # type: ignore[call-arg]
+        mamba1.install(model)  # multi-token continuation of Mamba-1 scans from the cached state
         if target.type == "cpu":
             transpose_linear_weights(model)
     except (OSError, ValueError, KeyError) as exc:
