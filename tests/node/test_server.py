@@ -172,7 +172,7 @@ def test_errors_are_openai_shaped_and_the_node_keeps_serving(node_factory, small
 def test_full_queue_answers_503_and_health_answers_during_prefill(node_factory, small_model_dir: Path) -> None:
     node = node_factory(small_model_dir, config_text="limits:\n  max_queue: 1\n")
     key = node.add_key("alice")
-    long = {"model": small_model_dir.name, "prompt": list(range(100, 3100)), "max_tokens": 200}
+    long = {"model": small_model_dir.name, "prompt": list(range(100, 3100)), "max_tokens": 600}
 
     async def run() -> None:
         headers = {"Authorization": f"Bearer {key}"}
