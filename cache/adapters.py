@@ -154,8 +154,9 @@ class ModelStateAdapter:
         left in the buffers; returns the cache and the tokens it starts with (`adopt` or 0).
         """
         cache = self._fresh(capacity)
-        if adopt and self.specs and all(isinstance(layer, GrowableKVLayer) for layer in cache.layers):
-            if all(layer.adopt(adopt) for layer in cache.layers):
+        layers = [layer for layer in cache.layers if isinstance(layer, GrowableKVLayer)]
+        if adopt and layers and len(layers) == len(cache.layers):
+            if all(layer.adopt(adopt) for layer in layers):
                 return cache, adopt
             cache = self._fresh(capacity)
         return cache, 0
@@ -185,9 +186,9 @@ class ModelStateAdapter:
         for state, take in spans:
             start = max(0, skip - offset)
             if start < take:
-                for layer, piece in zip(cache.layers, state, strict=True):
-                    if piece is not None:
-                        self._full.restore_span(layer, piece, start, take)
+                for layer, span_piece in zip(cache.layers, state, strict=True):
+                    if span_piece is not None:
+                        self._full.restore_span(layer, span_piece, start, take)
             offset += take
         if snapshot is not None:
             for components, layer, pieces in zip(self._components, cache.layers, snapshot, strict=True):

@@ -166,7 +166,8 @@ class PrefixCache:
                 heap.append((self._score(scope, leaf, True, now), next(order), scope, tree, leaf, True))
             if self.budget.eviction == "value":
                 for node in tree.nodes():
-                    if node.children and node.refs == 0 and self.arena.snapshot(node.handle) is not None:
+                    if (node.children and node.refs == 0 and node.handle is not None
+                            and self.arena.snapshot(node.handle) is not None):
                         heap.append((self._score(scope, node, False, now), next(order), scope, tree, node, False))
         heapq.heapify(heap)
         while heap and over_budget():
