@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check node cache metering attestation tests
+	$(VENV)/bin/ruff check node cache metering tests
 	$(VENV)/bin/mypy
 
 clean:
