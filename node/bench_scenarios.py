@@ -1,0 +1,497 @@
+"""`tenzro bench scenarios`: issue 4's three token-exact reuse scenarios, as token ids and as chat messages.
+
+(a) a cached history extended by 40 tokens; (b) the same history with one token (chat: one message) changed
+200 tokens before the end; (c) a 1,200-token system prompt shared by three requests with different tails.
+For each measured request: the tokens the node recomputed (usage: prompt_tokens - cached_tokens), the
+ideal, the least any node could recompute (everything after the point of divergence), and TTFT reused
+against cold. Every scenario of every run has fresh random content and, on a local node, its own caller,
+so nothing of an earlier run can help a later one.
+
+Locally, cold is the same prompt on a second node started with --no-reuse. With --url it is a fresh prompt of
+the same length on that server, and `--model` names the model whose tokenizer renders the chat form here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import aiohttp
+
+from cache.radix_tree import common_prefix_length
+from node.bench import REQUEST_TIMEOUT_S, SEED, BenchError, Client, LocalNode, PromptSource, Timing, api_base
+from node.config import add_key
+from node.engine.chat_template import render_chat
+
+HISTORY = 1460
+"""(a): the cached prompt; the extended one is HISTORY + EXTENSION, the history of (b)."""
+EXTENSION = 40
+EDIT_FROM_END = 200
+SYSTEM = 1200
+TAIL = 200
+MIN_WORDS = 1000
+"""Single-token words the chat form needs from the tokenizer, so that messages have exact token counts."""
+
+Messages = list[dict[str, str]]
+Prompt = list[int] | Messages
+"""Token ids, sent to /v1/completions, or chat messages, sent to /v1/chat/completions."""
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class ChatMessages:
+    """Chat messages of exact token counts, and their token ids, from the served model's tokenizer.
+
+    A message's content is a run of words that are each one token with their leading space, so a message
+    of `n` tokens is its role's fixed overhead plus `n - overhead` words.
+    """
+
+    def __init__(self, tokenizer: Any, rng: random.Random) -> None:
+        self.tokenizer = tokenizer
+        self.rng = rng
+        decoded = tokenizer.batch_decode([[token] for token in range(len(tokenizer))])
+        candidates = [text for text in decoded if text[:1] == " " and text[1:].isascii() and text[1:].isalpha()]
+        encoded = tokenizer(candidates, add_special_tokens=False)["input_ids"] if candidates else []
+        self.words = [text for text, ids in zip(candidates, encoded, strict=True) if len(ids) == 1]
+        if len(self.words) < MIN_WORDS:
+            raise BenchError(f"the chat form needs a tokenizer with at least {MIN_WORDS} words that are one "
+                             f"token each with their leading space; this one has {len(self.words)}")
+        empty = [{"role": "user", "content": ""}]
+        self.generation_prompt = len(self.ids(empty)) - len(self.history_ids(empty))
+
+    def ids(self, messages: Messages) -> list[int]:
+        """What the node computes: the rendered messages and the generation prompt."""
+        return render_chat(self.tokenizer, messages).ids
+
+    def history_ids(self, messages: Messages) -> list[int]:
+        """The rendered messages alone, without the generation prompt."""
+        if not messages:
+            return []
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    def message(self, role: str, tokens: int) -> dict[str, str]:
+        overhead = len(self.history_ids([{"role": role, "content": ""}]))
+        if tokens <= overhead:
+            raise BenchError(f"a {role} message of {tokens} tokens leaves no room for content")
+        return {"role": role, "content": "".join(self.rng.choice(self.words) for _ in range(tokens - overhead))}
+
+    def edited(self, message: dict[str, str]) -> dict[str, str]:
+        """The same message with its middle word replaced by another."""
+        words = message["content"].split(" ")[1:]
+        middle = len(words) // 2
+        other = words[middle]
+        while other == words[middle]:
+            other = self.rng.choice(self.words)[1:]
+        words[middle] = other
+        return {**message, "content": "".join(" " + word for word in words)}
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A request of this scenario that the node has seen."""
+
+    ids: tuple[int, ...]
+    messages: Messages | None
+    reply: tuple[int, ...]
+    """The generated token ids when known: the node stores them after the prompt."""
+
+
+def divergence_recompute(ids: Sequence[int], earlier: Sequence[Sent]) -> int:
+    """What a node able to resume at any token recomputes: everything after the longest prefix shared with
+    what it has seen, and always at least one token, whose logits choose the first output token."""
+    shared = max((common_prefix_length(sent.ids + sent.reply, tuple(ids)) for sent in earlier), default=0)
+    return len(ids) - min(shared, len(ids) - 1)
+
+
+def shared_messages(messages: Messages, earlier: Sequence[Sent]) -> int:
+    """How many leading messages `messages` has in common with the earlier request sharing the most."""
+    best = 0
+    for sent in earlier:
+        count = 0
+        for mine, theirs in zip(messages, sent.messages or [], strict=False):
+            if mine != theirs:
+                break
+            count += 1
+        best = max(best, count)
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    form: str
+    """"text" (token ids, no message structure) or "chat" (messages)."""
+    scenario: str
+    run: int
+    prompt_tokens: int
+    recomputed: int
+    """prompt_tokens - usage.prompt_tokens_details.cached_tokens."""
+    ideal: int
+    """text: everything after the divergence; chat: the new or edited messages and the generation prompt."""
+    divergence: int
+    """The least any node recomputes: everything after the prefix shared with what it has seen."""
+    limit: int | None
+    """The most the issue expects to be recomputed; None when it sets no bound (snapshot interval 0)."""
+    no_reuse_recomputed: int
+    reused_ttft_ms: float
+    cold_ttft_ms: float
+
+
+@dataclass
+class ScenarioRun:
+    """One scenario of one run: its caller's clients, the requests it sent, and what it measured."""
+
+    form: str
+    run: int
+    reused: Client
+    cold: Client | None
+    """The --no-reuse node, sent the very prompt that is measured; None: cold is a fresh prompt of the same
+    length sent to `reused` (a server measured by URL)."""
+    source: PromptSource
+    chat: ChatMessages | None
+    interval: int
+    samples: list[Sample]
+    sent: list[Sent] = field(default_factory=list)
+
+    def _request(self, prompt: Prompt) -> tuple[list[int], Messages | None]:
+        """The token ids the node computes for `prompt`, and its messages in the chat form."""
+        if self.form == "text":
+            return cast(list[int], prompt), None
+        assert self.chat is not None
+        messages = cast(Messages, prompt)
+        return self.chat.ids(messages), messages
+
+    async def prime(self, prompt: Prompt) -> tuple[int, ...]:
+        """Send `prompt` untimed, so that the node holds its state; returns the generated token ids."""
+        ids, messages = self._request(prompt)
+        client = self.reused
+        body: dict[str, Any] = {"model": client.model, "max_tokens": 1, "temperature": 0, "return_token_ids": True}
+        body.update({"prompt": ids} if messages is None else {"messages": messages})
+        path = "/completions" if messages is None else "/chat/completions"
+        async with client.session.post(client.base + path, json=body, headers=client.headers) as response:
+            if response.status != 200:
+                raise BenchError(f"POST {client.base}{path} answered {response.status}: {await response.text()}")
+            answer = await response.json()
+        rendered = answer.get("prompt_token_ids")
+        if rendered is not None and rendered != ids:
+            raise BenchError("the server's prompt tokens differ from the bench's rendering of the same messages: "
+                             "--model must name the model the server serves")
+        reply = tuple(int(t) for t in answer["choices"][0].get("token_ids") or ())
+        self.sent.append(Sent(tuple(ids), messages, reply))
+        return reply
+
+    @staticmethod
+    async def _timed(client: Client, ids: list[int], messages: Messages | None) -> Timing:
+        timing = await (client.complete(ids) if messages is None else stream_chat(client, messages))
+        if timing.prompt_tokens != len(ids) or timing.cached_tokens is None:
+            raise BenchError(f"the server reported prompt_tokens={timing.prompt_tokens} (expected {len(ids)}) and "
+                             f"cached_tokens={timing.cached_tokens}: token-exact scenarios need both")
+        return timing
+
+    def _ideal(self, ids: list[int], messages: Messages | None) -> int:
+        if messages is None:
+            return divergence_recompute(ids, self.sent)
+        assert self.chat is not None
+        kept = self.chat.history_ids(messages[:shared_messages(messages, self.sent)])
+        if ids[:len(kept)] != kept:
+            raise BenchError("this chat template does not render a conversation's first messages as a prefix "
+                             "of the whole: there is no message boundary to measure against")
+        return len(ids) - len(kept)
+
+    async def measure(self, scenario: str, prompt: Prompt, allowance: int | None) -> None:
+        """A timed request; `allowance`: tokens over the ideal the issue allows (None: no bound)."""
+        ids, messages = self._request(prompt)
+        ideal, divergence = self._ideal(ids, messages), divergence_recompute(ids, self.sent)
+        reused = await self._timed(self.reused, ids, messages)
+        if self.cold is not None:
+            cold = await self._timed(self.cold, ids, messages)
+        else:
+            cold = await self._timed(self.reused, self.source.prefix(len(ids)), None)
+        assert reused.cached_tokens is not None and cold.cached_tokens is not None
+        self.sent.append(Sent(tuple(ids), messages, ()))
+        sample = Sample(self.form, scenario, self.run, len(ids), len(ids) - reused.cached_tokens, ideal, divergence,
+                        None if allowance is None else ideal + allowance, len(ids) - cold.cached_tokens,
+                        reused.ttft_s * 1000.0, cold.ttft_s * 1000.0)
+        self.samples.append(sample)
+        _progress(f"bench: {self.form} {scenario} run {self.run + 1}: recomputed {sample.recomputed} of "
+                  f"{sample.prompt_tokens} (ideal {ideal}); TTFT {sample.reused_ttft_ms:.1f} ms reused, "
+                  f"{sample.cold_ttft_ms:.1f} ms cold")
+
+
+async def stream_chat(client: Client, messages: Messages) -> Timing:
+    """TTFT of a streamed chat completion: to the first event carrying content or a finish reason (the node
+    sends the role before it computes anything)."""
+    body = {"model": client.model, "messages": messages, "max_tokens": 1, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    ttft: float | None = None
+    usage: dict[str, Any] = {}
+    started = time.perf_counter()
+    async with client.session.post(client.base + "/chat/completions", json=body, headers=client.headers) as response:
+        if response.status != 200:
+            raise BenchError(f"POST {client.base}/chat/completions answered {response.status}: "
+                             f"{await response.text()}")
+        async for line in response.content:
+            data = line[len(b"data:"):].strip().decode() if line.startswith(b"data:") else ""
+            if not data or data == "[DONE]":
+                continue
+            event = json.loads(data)
+            if "error" in event:
+                raise BenchError(f"the server failed a request mid-stream: {event['error']}")
+            choice = (event.get("choices") or [{}])[0]
+            if ttft is None and ((choice.get("delta") or {}).get("content") or choice.get("finish_reason")):
+                ttft = time.perf_counter() - started
+            usage = event.get("usage") or usage
+    if ttft is None:
+        raise BenchError(f"POST {client.base}/chat/completions streamed no content")
+    details = usage.get("prompt_tokens_details") or {}
+    return Timing(ttft, usage.get("prompt_tokens"), details.get("cached_tokens"))
+
+
+async def text_extended(s: ScenarioRun) -> None:
+    history = s.source.prefix(HISTORY)
+    reply = await s.prime(history)
+    await s.measure("a", history + s.source.suffix(EXTENSION, unlike=reply[0] if reply else None), 0)
+
+
+async def text_edited(s: ScenarioRun) -> None:
+    history = s.source.prefix(HISTORY + EXTENSION)
+    await s.prime(history)
+    at = len(history) - EDIT_FROM_END
+    edited = history[:at] + s.source.suffix(1, unlike=history[at]) + history[at + 1:]
+    await s.measure("b", edited, s.interval or None)
+
+
+async def text_shared(s: ScenarioRun) -> None:
+    system = s.source.prefix(SYSTEM)
+    tails = [s.source.suffix(TAIL)]
+    await s.prime(system + tails[0])
+    for scenario, allowance in (("c2", s.interval or None), ("c3", 0)):
+        tail = s.source.suffix(TAIL)
+        while tail[0] in {t[0] for t in tails}:  # the tails diverge at their first token
+            tail = s.source.suffix(TAIL)
+        tails.append(tail)
+        await s.measure(scenario, system + tail, allowance)
+
+
+async def chat_extended(s: ScenarioRun) -> None:
+    """Two messages, 40 tokens with the generation prompt, appended to a conversation of 1,460 tokens."""
+    assert s.chat is not None
+    m, gen = s.chat.message, s.chat.generation_prompt
+    history = [m("system", SYSTEM), m("user", 120), m("assistant", 70), m("user", HISTORY - SYSTEM - 190 - gen)]
+    await s.prime(history)
+    await s.measure("a", history + [m("assistant", 20), m("user", EXTENSION - 20 - gen)], 0)
+
+
+async def chat_edited(s: ScenarioRun) -> None:
+    """One word edited in the message that starts 200 tokens (with the generation prompt) before the end."""
+    assert s.chat is not None
+    m, gen = s.chat.message, s.chat.generation_prompt
+    history = [m("system", SYSTEM), m("user", 60), m("assistant", 40), m("user", 110), m("assistant", 50),
+               m("user", EDIT_FROM_END - 160 - gen)]
+    await s.prime(history)
+    await s.measure("b", history[:3] + [s.chat.edited(history[3])] + history[4:], 0)
+
+
+async def chat_shared(s: ScenarioRun) -> None:
+    assert s.chat is not None
+    m, gen = s.chat.message, s.chat.generation_prompt
+    system = m("system", SYSTEM)
+    await s.prime([system, m("user", TAIL - gen)])
+    for scenario in ("c2", "c3"):
+        await s.measure(scenario, [system, m("user", TAIL - gen)], 0)
+
+
+Scenario = Callable[[ScenarioRun], Awaitable[None]]
+SCENARIOS: tuple[tuple[str, str, Scenario], ...] = (
+    ("text", "a", text_extended), ("text", "b", text_edited), ("text", "c", text_shared),
+    ("chat", "a", chat_extended), ("chat", "b", chat_edited), ("chat", "c", chat_shared),
+)
+DESCRIPTIONS = {
+    "a": f"{HISTORY} cached, +{EXTENSION}",
+    "b": f"edit {EDIT_FROM_END} before end",
+    "c2": f"shared {SYSTEM}, 2nd tail",
+    "c3": f"shared {SYSTEM}, 3rd tail",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    url: str
+    model: str
+    local: bool
+    threads: int | None
+    device: str | None
+    snapshot_interval: int | None
+    """The local node's --snapshot-interval; None when measuring --url."""
+    runs: int
+    seed: int
+    cold: str
+    """Where cold TTFT comes from: "no-reuse node" (the same prompt) or "fresh prompt" (same length)."""
+    chat: bool
+    """Whether the chat form ran (it needs the model's tokenizer here)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    form: str
+    scenario: str
+    description: str
+    prompt_tokens: tuple[int, ...]
+    """Per run, in run order; so are the counts below."""
+    recomputed: tuple[int, ...]
+    ideal: tuple[int, ...]
+    divergence: tuple[int, ...]
+    limit: tuple[int | None, ...]
+    within: bool | None
+    """Every run recomputed at most its limit; None when no run has one."""
+    no_reuse_recomputed: tuple[int, ...]
+    cold_ttft_ms: float
+    reused_ttft_ms: float
+    ratio: float
+    """Median reused TTFT over median cold TTFT."""
+
+
+def summarise(samples: list[Sample]) -> list[Row]:
+    keys = list(dict.fromkeys((s.form, s.scenario) for s in samples))
+    rows = []
+    for form, scenario in keys:
+        runs = [s for s in samples if (s.form, s.scenario) == (form, scenario)]
+        limited = [s for s in runs if s.limit is not None]
+        cold = statistics.median(s.cold_ttft_ms for s in runs)
+        reused = statistics.median(s.reused_ttft_ms for s in runs)
+        rows.append(Row(form, scenario, DESCRIPTIONS[scenario], tuple(s.prompt_tokens for s in runs),
+                        tuple(s.recomputed for s in runs), tuple(s.ideal for s in runs),
+                        tuple(s.divergence for s in runs), tuple(s.limit for s in runs),
+                        all(s.limit is not None and s.recomputed <= s.limit for s in limited) if limited else None,
+                        tuple(s.no_reuse_recomputed for s in runs), cold, reused, reused / cold))
+    return rows
+
+
+def _span(values: tuple[int | None, ...]) -> str:
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    return str(known[0]) if min(known) == max(known) else f"{min(known)}-{max(known)}"
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [("form", "scenario", "", "prompt", "recomputed", "ideal", "divergence", "at most", "within",
+              "no-reuse", "cold TTFT ms", "reused TTFT ms", "reused/cold")]
+    lines += [(r.form, r.scenario, r.description, _span(r.prompt_tokens), _span(r.recomputed), _span(r.ideal),
+               _span(r.divergence), _span(r.limit), {True: "yes", False: "NO", None: "-"}[r.within],
+               _span(r.no_reuse_recomputed), f"{r.cold_ttft_ms:.1f}", f"{r.reused_ttft_ms:.1f}", f"{r.ratio:.3f}")
+              for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(cell.ljust(width) if i < 3 else cell.rjust(width)
+                               for i, (cell, width) in enumerate(zip(line, widths, strict=True))).rstrip()
+                     for line in lines)
+
+
+def _chat_tokenizer(model: str) -> Any | None:
+    """The tokenizer of `--model` when it is here (an architecture name is built on first use), else None."""
+    from transformers import AutoTokenizer
+
+    from node.config import tenzro_home
+    from node.engine.loader import resolve_model_dir
+
+    _, path = resolve_model_dir(model, tenzro_home())
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+async def _client(session: aiohttp.ClientSession, base: str, api_key: str | None, model: str | None) -> Client:
+    client = Client(session, base, api_key)
+    client.model = model or await client.first_model()
+    return client
+
+
+async def _bench(args: argparse.Namespace, tokenizer: Any | None,
+                 nodes: tuple[LocalNode, LocalNode] | None) -> tuple[Settings, list[Sample]]:
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        if nodes is None:
+            main = await _client(session, api_base(args.url), args.api_key, None)
+            cold = None
+        else:
+            _progress(f"bench: starting a reusing and a --no-reuse node for model '{args.model}'")
+            await asyncio.gather(*(node.wait_healthy(session) for node in nodes))
+            main = await _client(session, api_base(nodes[0].root), nodes[0].api_key, None)
+            cold = await _client(session, api_base(nodes[1].root), nodes[1].api_key, main.model)
+        source = PromptSource(SEED)
+        chat = ChatMessages(tokenizer, random.Random(SEED)) if tokenizer is not None else None
+        if chat is None:
+            _progress(f"bench: no tokenizer for '{args.model}' here: the chat form is left out")
+        local = nodes is not None
+        settings = Settings(url=main.base, model=main.model, local=local, threads=args.threads if local else None,
+                            device=args.device if local else None,
+                            snapshot_interval=args.snapshot_interval if local else None, runs=args.runs, seed=SEED,
+                            cold="no-reuse node" if local else "fresh prompt", chat=chat is not None)
+        warm = source.prefix(HISTORY + EXTENSION)
+        for client in (main, cold) if cold is not None else (main,):
+            await client.complete(warm)  # untimed: loads and warms everything
+        samples: list[Sample] = []
+        for run in range(args.runs):
+            for form, name, scenario in SCENARIOS:
+                if form == "chat" and chat is None:
+                    continue
+                reused = main
+                if nodes is not None:  # a caller of its own: a scope no earlier scenario or run touched
+                    key = add_key(nodes[0].config, f"run{run}-{form}-{name}")
+                    reused = await _client(session, main.base, key, main.model)
+                await scenario(ScenarioRun(form, run, reused, cold, source, chat, args.snapshot_interval, samples))
+        return settings, samples
+
+
+def _run(args: argparse.Namespace) -> tuple[Settings, list[Sample]]:
+    tokenizer = _chat_tokenizer(args.model)  # builds a named architecture once, before the nodes look for it
+    if args.url:
+        return asyncio.run(_bench(args, tokenizer, None))
+    if tokenizer is None:
+        raise BenchError(f"--model {args.model!r} is neither a model directory nor an architecture name")
+    with tempfile.TemporaryDirectory(prefix="tenzro-scenarios-") as workdir:
+        nodes = []
+        for name, extra in (("reuse", ("--snapshot-interval", str(args.snapshot_interval))), ("cold", ("--no-reuse",))):
+            directory = Path(workdir) / name
+            directory.mkdir()
+            # Each node its own ledger and prices: the bench's records are not the user's.
+            metering = ("--ledger", str(directory / "ledger"), "--pricing", str(directory / "pricing.yaml"))
+            nodes.append(LocalNode(directory, args.model, args.threads, args.device, extra=extra + metering))
+        try:
+            for node in nodes:
+                node.start()
+            return asyncio.run(_bench(args, tokenizer, (nodes[0], nodes[1])))
+        finally:
+            for node in nodes:
+                node.stop()
+
+
+def run_scenarios_bench(args: argparse.Namespace) -> int:
+    try:
+        if args.runs < 1 or args.threads < 1 or args.snapshot_interval < 0:
+            raise BenchError("--runs and --threads must be at least 1, --snapshot-interval at least 0")
+        settings, samples = _run(args)
+    except (BenchError, aiohttp.ClientError, TimeoutError) as exc:
+        print(f"tenzro: error: {str(exc) or type(exc).__name__}", file=sys.stderr)
+        return 2
+    rows = summarise(samples)
+    print(format_table(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"settings": asdict(settings), "rows": [asdict(r) for r in rows],
+              "samples": [asdict(s) for s in samples]}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    _progress(f"bench: wrote {out}")
+    return 0
