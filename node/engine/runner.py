@@ -79,7 +79,8 @@ class Runner:
     @property
     def _takes_snapshots(self) -> bool:
         state = self.loaded.state
-        return state is not None and (state.needs_snapshots or not self.policy.anywhere)
+        return (self.prefix_cache is not None and state is not None
+                and (state.needs_snapshots or not self.policy.anywhere))
 
     def _prefill(self, prompt: list[int], start: int, cache: DynamicCache, snapshot_at: list[int]
                  ) -> tuple[torch.Tensor, dict[int, Snapshot]]:

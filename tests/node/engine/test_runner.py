@@ -114,3 +114,16 @@ def test_another_scope_never_continues_from_the_working_buffers(loaded: LoadedMo
     logits, restored = runner.prompt_logits(Scope("bob", "small"), prompt + [7])
     assert restored == 0
     assert torch.allclose(logits, full_pass_logits(loaded, prompt + [7]), atol=TOLERANCE, rtol=0)
+
+
+def test_without_reuse_the_prefill_is_not_cut_for_snapshots(small_model_dir: Path, tmp_path: Path) -> None:
+    from node.engine.synthetic import init_model
+
+    hybrid = load_model("h", init_model("bamba", tmp_path / "h", size="small"))
+    plain = Runner(hybrid, None, prefill_chunk=1024)
+    lengths: list[int] = []
+    forward = plain._forward
+    plain._forward = lambda ids, start, cache: lengths.append(len(ids)) or forward(ids, start, cache)  # type: ignore
+    plain.generate(GenerationRequest(Scope("c", "h"), tokens(14, 300), SamplingParams(1, 0.0), boundaries=(90, 200)),
+                   emit=lambda _: None, cancelled=lambda: False)
+    assert lengths == [300]
