@@ -178,8 +178,10 @@ def test_full_queue_answers_503_and_health_answers_during_prefill(node_factory, 
         headers = {"Authorization": f"Bearer {key}"}
         async with aiohttp.ClientSession() as session:
             url = node.base + "/completions"
-            busy = [asyncio.create_task(_post(session, url, headers, long)) for _ in range(2)]
-            await asyncio.sleep(0.5)
+            busy = [asyncio.create_task(_post(session, url, headers, long))]
+            await asyncio.sleep(0.25)  # the worker takes the first off the queue before the second arrives
+            busy.append(asyncio.create_task(_post(session, url, headers, long)))
+            await asyncio.sleep(0.25)
             async with session.get(node.url + "/health") as health:
                 assert health.status == 200
             status, payload = await _post(session, url, headers, long)
