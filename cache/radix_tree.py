@@ -93,21 +93,14 @@ class RadixTree(Generic[H]):
         Returns the new leaf, or None when the tree already held all of `tokens`.
         """
         tokens = tuple(tokens)
-        node, pos = self.root, 0
-        now = self._clock()
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            common = common_prefix_length(child.tokens, tokens[pos:pos + len(child.tokens)])
-            if common < len(child.tokens):
-                child = self._split(child, common)
-            child.last_access = now
-            node, pos = child, pos + common
-        if pos == len(tokens):
+        found = self.match(tokens)
+        if found.length == len(tokens):
             return None
-        leaf = TreeNode(tokens=tokens[pos:], start=pos, handle=make_handle(pos, len(tokens)),
-                        parent=node, last_access=now)
+        node = found.nodes[-1] if found.nodes else self.root
+        if node.end > found.length:  # the tokens leave the stored ones inside this span
+            node = self._split(node, found.length - node.start)
+        leaf = TreeNode(tokens=tokens[found.length:], start=found.length,
+                        handle=make_handle(found.length, len(tokens)), parent=node, last_access=self._clock())
         node.children[leaf.tokens[0]] = leaf
         return leaf
 
