@@ -224,14 +224,15 @@ def format_table(rows: list[Row]) -> str:
 
 
 class LocalNode:
-    """`tenzro node serve` as a subprocess on a free loopback port, with its own config and key in
-    `workdir`; TENZRO_HOME is left alone so the default model cache is shared with the user's."""
+    """`tenzro node serve` as a subprocess on a free loopback port, with its own config, key, ledger and
+    prices in `workdir`; TENZRO_HOME is left alone so the generated model cache is shared with the user's."""
 
     def __init__(self, workdir: Path, model: str, threads: int, device: str | None,
                  extra: tuple[str, ...] = ()) -> None:
         self.tenzro = [sys.executable, "-m", "node"]
         self.extra = extra
         self.model, self.threads, self.device = model, threads, device
+        self.workdir = workdir
         self.config = workdir / "node.yaml"
         self.log = workdir / "node.log"
         with socket.socket() as sock:
@@ -247,8 +248,10 @@ class LocalNode:
         if added.returncode != 0:
             raise BenchError(f"'tenzro keys add' failed: {added.stderr.strip()}")
         self.api_key = added.stdout.strip().splitlines()[-1]
+        # Its own ledger and prices: a benchmark's usage records are not the user's.
         command = [*self.tenzro, "node", "serve", "--config", str(self.config), "--model", self.model,
-                   "--host", "127.0.0.1", "--port", str(self.port), "--threads", str(self.threads)]
+                   "--host", "127.0.0.1", "--port", str(self.port), "--threads", str(self.threads),
+                   "--ledger", str(self.workdir / "ledger"), "--pricing", str(self.workdir / "pricing.yaml")]
         if self.device:
             command += ["--device", self.device]
         command += list(self.extra)

@@ -466,9 +466,7 @@ def _run(args: argparse.Namespace) -> tuple[Settings, list[Sample]]:
         for name, extra in (("reuse", ("--snapshot-interval", str(args.snapshot_interval))), ("cold", ("--no-reuse",))):
             directory = Path(workdir) / name
             directory.mkdir()
-            # Each node its own ledger and prices: the bench's records are not the user's.
-            metering = ("--ledger", str(directory / "ledger"), "--pricing", str(directory / "pricing.yaml"))
-            nodes.append(LocalNode(directory, args.model, args.threads, args.device, extra=extra + metering))
+            nodes.append(LocalNode(directory, args.model, args.threads, args.device, extra=extra))
         try:
             for node in nodes:
                 node.start()
