@@ -1,0 +1,478 @@
+"""`tenzro bench agent`: a seeded agent workload over chat completions, reused tokens and TTFT per reuse policy.
+
+Every episode re-sends one system prompt with tool definitions (about 1.5k tokens) and a new task, then
+loops: the assistant replies, the agent appends that reply and a tool result and asks again. In 30% of the
+steps the reply the agent re-sends differs from what was generated (a word inserted mid-reply), which is
+where a recurrent model can only resume at a snapshot. Each mode runs the same workload on a fresh local
+node; replies are greedy, so every mode must get the same replies. The oracle reuses every prompt token
+that agrees with what the caller stored before (the `ours` node counts them per request); its TTFT comes
+from a node primed, before each timed request, with a request ending exactly at that point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from node.bench import REQUEST_TIMEOUT_S, SEED, BenchError, Client, LocalNode, PromptSource, _progress, api_base
+
+MAX_TOKENS = 24
+EDIT_FRACTION = 0.3
+TOOLS = 6
+TOOL_RESULT_WORDS = (70, 150)  # about 100-200 tokens of the node's pseudo-English tokenizer
+WARMUP_TOKENS = 128
+MIB = 1024**2
+
+Messages = list[dict[str, str]]
+
+MATCHED = "tenzro_prompt_tokens_matched_total"
+SERVER_TTFT = "tenzro_time_to_first_token_seconds_sum"
+CACHED_BYTES = "tenzro_cached_bytes"
+SNAPSHOT_BYTES = "tenzro_cached_snapshot_bytes"
+
+
+class AgentWorkload:
+    """Everything the agent says, drawn from one seed before the run, so no mode can shift another's text.
+
+    The text is the pseudo-English the embedded models' tokenizer was trained on; the tool schemas are JSON.
+    """
+
+    def __init__(self, seed: int, episodes: int, steps: int) -> None:
+        from node.engine.synthetic import _training_corpus
+
+        rng = random.Random(seed)
+        self.episodes, self.steps = episodes, steps
+        lines = _training_corpus(seed, n_words=24_000)
+        words = [word.strip(".,?!:;\"()").lower() for line in lines for word in line.split()]  # Zipf-like
+
+        def sentences(count: int) -> str:
+            return " ".join(rng.choice(lines).strip() for _ in range(count))
+
+        def tool() -> dict[str, Any]:
+            params = {rng.choice(words): {"type": rng.choice(["string", "integer", "boolean", "array"]),
+                                          "description": sentences(1)} for _ in range(rng.randint(2, 3))}
+            return {"type": "function", "function": {
+                "name": f"{rng.choice(words)}_{rng.choice(words)}", "description": sentences(1),
+                "parameters": {"type": "object", "properties": params,
+                               "required": sorted(rng.sample(sorted(params), 1))}}}
+
+        self.system = (f"You are an agent. {sentences(2)}\n\n# Tools\nCall a tool by answering with its name "
+                       f"and JSON arguments. The tools:\n{json.dumps([tool() for _ in range(TOOLS)])}")
+        self.tasks = [f"Task {episode + 1}: {sentences(2)}" for episode in range(episodes)]
+        self.results = [[json.dumps({"status": "ok", "output": " ".join(
+            rng.choice(words) for _ in range(rng.randint(*TOOL_RESULT_WORDS)))}) for _ in range(steps)]
+            for _ in range(episodes)]
+        # A reply is re-sent only when a step follows it, so edits are drawn among those steps.
+        resent = [(episode, step) for episode in range(episodes) for step in range(steps - 1)]
+        edited = rng.sample(resent, round(EDIT_FRACTION * len(resent)))
+        self.edits = {key: rng.choice(words) for key in sorted(edited)}
+
+    def opening(self, episode: int) -> Messages:
+        return [{"role": "system", "content": self.system}, {"role": "user", "content": self.tasks[episode]}]
+
+    def after_reply(self, episode: int, step: int, reply: str) -> Messages:
+        """The assistant message the agent re-sends (edited in the middle in some steps) and the tool result."""
+        word = self.edits.get((episode, step))
+        if word is not None:
+            middle = len(reply) // 2
+            reply = f"{reply[:middle]} {word} {reply[middle:]}"
+        return [{"role": "assistant", "content": reply}, {"role": "tool", "content": self.results[episode][step]}]
+
+    def edited(self, episode: int, step: int) -> bool:
+        """Whether the request of this step is the first to re-send an edited reply."""
+        return (episode, step - 1) in self.edits
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    name: str
+    flags: tuple[str, ...] = ()
+    """Extra `tenzro node serve` flags."""
+    budget_bytes: int = 0
+    """Node and caller cache budget; 0 keeps the config's default."""
+    primed: bool = False
+    """The oracle: before each request, an untimed request leaves a snapshot where the prompt diverges."""
+
+
+OURS = Mode("ours")
+MODES = (OURS, Mode("none", ("--no-reuse",)), Mode("exact", ("--reuse-policy", "exact")),
+         Mode("interval-512", ("--reuse-policy", "interval", "--snapshot-interval", "512")),
+         Mode("oracle", primed=True))
+TABLE_ORDER = ("url", "none", "exact", "interval-512", "ours", "oracle")
+
+
+def budget_modes(budget_mib: int) -> tuple[Mode, ...]:
+    return tuple(Mode(f"ours-{eviction}-{budget_mib}MiB", ("--eviction", eviction), budget_mib * MIB)
+                 for eviction in ("value", "lru"))
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    text: str
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    written_tokens: int | None
+    """usage.cached_write_tokens (this node's extension): prompt tokens newly stored."""
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    mode: str
+    episode: int
+    step: int
+    edited: bool
+    prompt_tokens: int
+    cached_tokens: int
+    """Tokens the node reused (usage.prompt_tokens_details.cached_tokens)."""
+    ttft_ms: float
+    """Client side: request sent to the first streamed content."""
+    completion_tokens: int
+    reply: str
+    server_ttft_ms: float | None = None
+    """The node's own TTFT (from /metrics), without HTTP and queueing; None for --url."""
+    matched_tokens: int | None = None
+    """Prompt tokens agreeing with the caller's stored tokens (from /metrics); None for --url."""
+    written_tokens: int | None = None
+    """usage.cached_write_tokens, this node's extension: prompt tokens newly stored (as metered)."""
+    target_tokens: int | None = None
+    """Oracle only: the tokens the oracle reuses, the `ours` node's matched tokens of this request."""
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.cached_tokens if self.target_tokens is None else self.target_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ModeRow:
+    mode: str
+    requests: int
+    prompt_tokens: int
+    reused_tokens: int
+    reused_fraction: float
+    of_oracle: float | None
+    """Reused tokens over the oracle's; None without an oracle run."""
+    prefilled_tokens: int
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    server_ttft_p50_ms: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotMemory:
+    """State held at the end of the `ours` run, per token stored (prompts and replies, shared prefixes once)."""
+
+    stored_tokens: int
+    cached_bytes: int
+    snapshot_bytes: int
+    cached_bytes_per_token: float
+    snapshot_bytes_per_token: float
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    url: str | None
+    model: str
+    threads: int | None
+    device: str | None
+    episodes: int
+    steps: int
+    max_tokens: int
+    edit_fraction: float
+    seed: int
+    budget_mib: int
+    modes: tuple[str, ...]
+
+
+async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an SSE response, up to `[DONE]`; an error event raises."""
+    async for line in response.content:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[len(b"data:"):].strip().decode()
+        if data == "[DONE]":
+            return
+        try:
+            event = json.loads(data)
+        except ValueError as exc:
+            raise BenchError(f"the server streamed a non-JSON event: {data[:200]!r}") from exc
+        if "error" in event:
+            raise BenchError(f"the server failed a request mid-stream: {event['error']}")
+        yield event
+
+
+class AgentClient(Client):
+    """Streamed chat completions, and the node's Prometheus counters when it is a local node."""
+
+    def __init__(self, session: aiohttp.ClientSession, base: str, api_key: str | None,
+                 metrics_url: str | None) -> None:
+        super().__init__(session, base, api_key)
+        self.metrics_url = metrics_url
+
+    async def chat(self, messages: Messages) -> Reply:
+        """TTFT: to the first event carrying content or a finish reason (the role chunk comes before any
+        compute)."""
+        body = {"model": self.model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        ttft: float | None = None
+        parts: list[str] = []
+        usage: dict[str, Any] = {}
+        started = time.perf_counter()
+        async with self.session.post(self.base + "/chat/completions", json=body, headers=self.headers) as response:
+            if response.status != 200:
+                raise BenchError(f"POST {self.base}/chat/completions answered {response.status}: "
+                                 f"{await response.text()}")
+            async for event in _events(response):
+                for choice in event.get("choices") or []:
+                    content = (choice.get("delta") or {}).get("content") or ""
+                    if ttft is None and (content or choice.get("finish_reason")):
+                        ttft = time.perf_counter() - started
+                    parts.append(content)
+                usage = event.get("usage") or usage
+        if ttft is None or "prompt_tokens" not in usage:
+            raise BenchError(f"POST {self.base}/chat/completions streamed no content or no usage "
+                             "(the server must honour stream_options.include_usage)")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return Reply("".join(parts), ttft, int(usage["prompt_tokens"]), int(cached),
+                     usage.get("cached_write_tokens"), int(usage.get("completion_tokens", 0)))
+
+    async def scrape(self) -> dict[str, float]:
+        """Prometheus text as {series: value}; empty when measuring --url."""
+        if self.metrics_url is None:
+            return {}
+        async with self.session.get(self.metrics_url) as response:
+            if response.status != 200:
+                raise BenchError(f"GET {self.metrics_url}: {response.status}")
+            text = await response.text()
+        series = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        return {name: float(value) for name, value in series}
+
+
+Renderer = Callable[[Messages], list[int]]
+
+
+def _delta(before: dict[str, float], after: dict[str, float], series: str) -> float | None:
+    return after[series] - before[series] if series in after and series in before else None
+
+
+async def _drive(client: AgentClient, workload: AgentWorkload, mode: Mode,
+                 primer: tuple[Renderer, Sequence[Sample]] | None = None) -> list[Sample]:
+    """Run the workload once; with `primer` (the oracle), prime each request at the `ours` run's matched
+    tokens first."""
+    samples: list[Sample] = []
+    for episode in range(workload.episodes):
+        messages = workload.opening(episode)
+        for step in range(workload.steps):
+            target = None
+            if primer is not None:
+                render, ours = primer
+                ids, target = render(messages), ours[len(samples)].matched_tokens
+                if len(ids) != ours[len(samples)].prompt_tokens or target is None:
+                    raise BenchError(f"rendering the chat locally gave {len(ids)} tokens, the node counted "
+                                     f"{ours[len(samples)].prompt_tokens}: the oracle cannot be primed")
+                if target:
+                    await client.complete(ids[:target])  # untimed: leaves a snapshot at exactly `target`
+            before = await client.scrape()
+            reply = await client.chat(messages)
+            after = await client.scrape()
+            server_ttft, matched = _delta(before, after, SERVER_TTFT), _delta(before, after, MATCHED)
+            samples.append(Sample(mode.name, episode, step, workload.edited(episode, step), reply.prompt_tokens,
+                                  reply.cached_tokens, reply.ttft_s * 1000.0, reply.completion_tokens, reply.text,
+                                  None if server_ttft is None else server_ttft * 1000.0,
+                                  None if matched is None else round(matched), reply.written_tokens, target))
+            messages = messages + workload.after_reply(episode, step, reply.text)
+        episode_samples = samples[-workload.steps:]
+        _progress(f"bench agent: {mode.name}, episode {episode + 1}/{workload.episodes}: reused "
+                  f"{sum(s.reused_tokens for s in episode_samples)}/{sum(s.prompt_tokens for s in episode_samples)}"
+                  f" prompt tokens, median TTFT {statistics.median(s.ttft_ms for s in episode_samples):.0f} ms")
+    return samples
+
+
+def _memory(samples: Sequence[Sample], baseline: dict[str, float], final: dict[str, float]) -> SnapshotMemory:
+    """Bytes the workload added (the warm-up's state is the baseline) over the tokens it stored.
+
+    Each request stores its prompt and reply; the tree already held the prompt's first `matched` tokens (no
+    prompt of this workload is held whole), so with nothing evicted the stored tokens add up to this sum.
+    """
+    stored = sum(s.prompt_tokens - (s.matched_tokens or 0) + s.completion_tokens for s in samples)
+    cached = round(final[CACHED_BYTES] - baseline[CACHED_BYTES])
+    snapshots = round(final[SNAPSHOT_BYTES] - baseline[SNAPSHOT_BYTES])
+    return SnapshotMemory(stored, cached, snapshots, cached / max(stored, 1), snapshots / max(stored, 1))
+
+
+async def _local_mode(session: aiohttp.ClientSession, args: argparse.Namespace, workdir: Path, mode: Mode,
+                      workload: AgentWorkload, primer: tuple[Renderer, Sequence[Sample]] | None = None
+                      ) -> tuple[str, list[Sample], SnapshotMemory]:
+    """One mode on its own fresh node; returns (model id, samples, memory held at the end)."""
+    workdir.mkdir()
+    node = LocalNode(workdir, args.model, args.threads, args.device, mode.flags)
+    if mode.budget_bytes:  # read at start; `keys add` keeps the section
+        node.config.write_text(yaml.safe_dump({"cache": {"node_bytes": mode.budget_bytes,
+                                                         "caller_bytes": mode.budget_bytes}}))
+    _progress(f"bench agent: mode {mode.name}: starting a node for '{args.model}' {' '.join(mode.flags)}")
+    try:
+        node.start()
+        await node.wait_healthy(session)
+        client = AgentClient(session, api_base(node.root), node.api_key, node.root + "/metrics")
+        client.model = await client.first_model()
+        await client.complete(PromptSource(SEED).prefix(WARMUP_TOKENS))  # untimed; shares no token with chats
+        baseline = await client.scrape()
+        samples = await _drive(client, workload, mode, primer)
+        memory = _memory(samples, baseline, await client.scrape())
+    except (BenchError, aiohttp.ClientError) as exc:
+        raise BenchError(f"mode {mode.name}: {exc}\nnode log:\n{node.log_tail()}") from exc
+    finally:
+        node.stop()
+    return client.model, samples, memory
+
+
+def _renderer(model: str) -> Renderer:
+    """The node's own chat rendering, run here on the model's tokenizer (after a node has built the model)."""
+    from transformers import AutoTokenizer
+
+    from node.config import tenzro_home
+    from node.engine.chat_template import render_chat
+    from node.engine.loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model, tenzro_home())[1])
+    return lambda messages: render_chat(tokenizer, messages).ids
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    settings: Settings
+    samples: list[Sample]
+    memory: SnapshotMemory | None
+
+
+async def _run_local(args: argparse.Namespace, workload: AgentWorkload, workdir: Path) -> Run:
+    modes = MODES + (budget_modes(args.budget_mib) if args.budget_mib > 0 else ())
+    samples: list[Sample] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as session:
+        model, ours, memory = await _local_mode(session, args, workdir / OURS.name, OURS, workload)
+        samples += ours
+        for mode in modes[1:]:
+            primer = (_renderer(args.model), ours) if mode.primed else None
+            samples += (await _local_mode(session, args, workdir / mode.name, mode, workload, primer))[1]
+    settings = Settings(None, model, args.threads, args.device, args.episodes, args.steps, MAX_TOKENS,
+                        EDIT_FRACTION, SEED, args.budget_mib, tuple(m.name for m in modes))
+    return Run(settings, samples, memory)
+
+
+async def _run_url(args: argparse.Namespace, workload: AgentWorkload) -> Run:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as session:
+        client = AgentClient(session, api_base(args.url), args.api_key, None)
+        async with session.get(client.base + "/models", headers=client.headers) as response:
+            if response.status != 200:
+                raise BenchError(f"GET {client.base}/models: {response.status} {await response.text()}")
+            listed = [str(m.get("id")) for m in (await response.json()).get("data") or []]
+        if not listed:
+            raise BenchError(f"GET {client.base}/models lists no model")
+        client.model = args.model if args.model in listed else listed[0]
+        _progress(f"bench agent: mode url: model '{client.model}' at {client.base}")
+        samples = await _drive(client, workload, Mode("url"))
+    settings = Settings(client.base, client.model, None, None, args.episodes, args.steps, MAX_TOKENS,
+                        EDIT_FRACTION, SEED, 0, ("url",))
+    return Run(settings, samples, None)
+
+
+def _p90(values: Sequence[float]) -> float:
+    """Nearest rank."""
+    ordered = sorted(values)
+    return ordered[math.ceil(0.9 * len(ordered)) - 1]
+
+
+def summarise(samples: Sequence[Sample]) -> list[ModeRow]:
+    names = list(dict.fromkeys(s.mode for s in samples))
+    names.sort(key=lambda name: TABLE_ORDER.index(name) if name in TABLE_ORDER else len(TABLE_ORDER))
+    oracle = sum(s.reused_tokens for s in samples if s.mode == "oracle") or None
+    rows = []
+    for name in names:
+        mode = [s for s in samples if s.mode == name]
+        prompt, reused = sum(s.prompt_tokens for s in mode), sum(s.reused_tokens for s in mode)
+        server = [s.server_ttft_ms for s in mode if s.server_ttft_ms is not None]
+        rows.append(ModeRow(name, len(mode), prompt, reused, reused / prompt,
+                            None if oracle is None else reused / oracle, prompt - reused,
+                            statistics.median(s.ttft_ms for s in mode), _p90([s.ttft_ms for s in mode]),
+                            statistics.median(server) if server else None))
+    return rows
+
+
+def reply_mismatches(samples: Sequence[Sample]) -> list[str]:
+    """Modes whose greedy replies differ from `ours` (or from the first mode), first differing step each."""
+    by_mode: dict[str, dict[tuple[int, int], str]] = {}
+    for s in samples:
+        by_mode.setdefault(s.mode, {})[(s.episode, s.step)] = s.reply
+    reference_name = OURS.name if OURS.name in by_mode else next(iter(by_mode), "")
+    reference = by_mode.get(reference_name, {})
+    found = []
+    for name, replies in by_mode.items():
+        differing = sorted(key for key in reference if replies.get(key) != reference[key])
+        if differing:
+            found.append(f"{name} (episode {differing[0][0] + 1}, step {differing[0][1] + 1}: "
+                         f"{replies.get(differing[0])!r} vs {reference[differing[0]]!r})")
+    return found
+
+
+def format_table(rows: Sequence[ModeRow], memory: SnapshotMemory | None) -> str:
+    def ms(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.1f}"
+
+    lines = [("mode", "reused", "of oracle", "prefilled tokens", "TTFT p50 ms", "TTFT p90 ms", "node TTFT p50 ms")]
+    lines += [(r.mode, f"{100 * r.reused_fraction:.1f}%",
+               "n/a" if r.of_oracle is None else f"{100 * r.of_oracle:.1f}%", str(r.prefilled_tokens),
+               ms(r.ttft_p50_ms), ms(r.ttft_p90_ms), ms(r.server_ttft_p50_ms)) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    text = "\n".join("  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True))
+                     for line in lines)
+    if memory is not None:
+        text += (f"\nstate held at the end of 'ours': {memory.stored_tokens} tokens stored, "
+                 f"{memory.cached_bytes_per_token:.0f} bytes/token in all, "
+                 f"{memory.snapshot_bytes_per_token:.0f} bytes/token in snapshots")
+    return text
+
+
+def run_agent_bench(args: argparse.Namespace) -> int:
+    try:
+        if args.episodes < 1 or args.steps < 2 or args.budget_mib < 0 or args.threads < 1:
+            raise BenchError("--episodes and --threads must be at least 1, --steps at least 2 (a reply must be "
+                             "re-sent), --budget-mib 0 (off) or more")
+        workload = AgentWorkload(SEED, args.episodes, args.steps)
+        if args.url:
+            run = asyncio.run(_run_url(args, workload))
+        else:
+            with tempfile.TemporaryDirectory(prefix="tenzro-bench-agent-") as workdir:
+                run = asyncio.run(_run_local(args, workload, Path(workdir)))
+    except (BenchError, aiohttp.ClientError, TimeoutError) as exc:
+        print(f"tenzro: error: {str(exc) or type(exc).__name__}", file=sys.stderr)
+        return 2
+    rows = summarise(run.samples)
+    mismatches = reply_mismatches(run.samples)
+    print(format_table(rows, run.memory))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"settings": asdict(run.settings), "rows": [asdict(r) for r in rows],
+              "snapshot_memory": None if run.memory is None else asdict(run.memory),
+              "replies_identical": not mismatches, "samples": [asdict(s) for s in run.samples]}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    _progress(f"bench agent: wrote {out}")
+    if mismatches:
+        print("tenzro: error: greedy replies differ between modes, so reuse changed the output: "
+              + "; ".join(mismatches), file=sys.stderr)
+        return 1
+    return 0
