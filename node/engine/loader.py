@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cache.adapters import ModelStateAdapter
 from cache.state_spec import UnsupportedLayerKindError, model_state_specs
-from node.engine import mamba1
+from node.engine import mamba1, mamba2
 from node.engine.cpu_layout import transpose_linear_weights
 from node.engine.synthetic import ARCHITECTURES, ensure_default_model
 
@@ -89,6 +89,7 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         model = model.to(device=target).eval()  # type: ignore[call-arg]
         mamba1.install(model)  # multi-token continuation of Mamba-1 scans from the cached state
+        mamba2.install(model)  # short continuations of Mamba-2 mixers skip the padded chunk scan
         if target.type == "cpu":
             transpose_linear_weights(model)
     except (OSError, ValueError, KeyError) as exc:
