@@ -83,6 +83,10 @@ class Size:
     ssm_state: int
     ssm_chunk: int
     """Chunk length of the Mamba2 scan; small enough in tests that a prompt spans several chunks."""
+    init_range: float | None = None
+    """Weight init scale instead of the family's default (0.02). Tests need recurrent and conv layers whose
+    state shows in the logits: at 0.02 a tiny model's Jamba, FalconH1 or Lfm2 state moved them by 2e-5 to
+    9e-5 when zeroed, below the 1e-4 tolerance of the reuse checks; at 0.1, by 3e-2 to 3e-1."""
 
 
 SIZES: dict[str, Size] = {
@@ -96,7 +100,8 @@ SIZES: dict[str, Size] = {
     # than a test prompt.
     "small": Size(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, context=4096,
                   mixed_layers=4, attention_period=3, window=16, experts=4, experts_per_token=2,
-                  expert_intermediate=32, shared_intermediate=64, ssm_heads=8, ssm_state=16, ssm_chunk=16),
+                  expert_intermediate=32, shared_intermediate=64, ssm_heads=8, ssm_state=16, ssm_chunk=16,
+                  init_range=0.1),
 }
 
 
@@ -324,6 +329,8 @@ def init_model(arch: str, out_dir: Path, size: str = "default") -> Path:
     if size not in SIZES:
         raise UnknownArchitectureError(f"unknown size {size!r}; choose one of: {', '.join(sorted(SIZES))}")
     config = ARCHITECTURES[arch](SIZES[size])
+    if SIZES[size].init_range is not None:
+        config.initializer_range = SIZES[size].init_range
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out_dir = Path(out_dir)
