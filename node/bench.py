@@ -57,6 +57,19 @@ class Timing:
 
 
 @dataclass(frozen=True, slots=True)
+class Streamed:
+    """One streamed completion as the client saw it."""
+
+    ttft_s: float
+    text: str
+    usage: dict[str, Any]
+
+    def timing(self) -> Timing:
+        details = self.usage.get("prompt_tokens_details") or {}
+        return Timing(self.ttft_s, self.usage.get("prompt_tokens"), details.get("cached_tokens"))
+
+
+@dataclass(frozen=True, slots=True)
 class Sample:
     length: int
     kind: str  # "cold" or "reused"
@@ -140,17 +153,16 @@ class Client:
             raise BenchError(f"GET {self.base}/models lists no model; pass --model")
         return str(models[0]["id"])
 
-    async def complete(self, prompt: list[int]) -> Timing:
-        """TTFT: from sending the request to the first SSE event with a non-empty `choices` list."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+    async def stream(self, path: str, body: dict[str, Any]) -> Streamed:
+        """POST a streamed request to `path`. TTFT: to the first event carrying generated text or a finish
+        reason (a chat stream opens with a role chunk sent before anything is computed)."""
         ttft: float | None = None
+        parts: list[str] = []
         usage: dict[str, Any] = {}
         started = time.perf_counter()
-        async with self.session.post(self.base + "/completions", json=body, headers=self.headers) as response:
+        async with self.session.post(self.base + path, json=body, headers=self.headers) as response:
             if response.status != 200:
-                raise BenchError(f"POST {self.base}/completions answered {response.status}: "
-                                 f"{await response.text()}")
+                raise BenchError(f"POST {self.base}{path} answered {response.status}: {await response.text()}")
             async for line in response.content:
                 if not line.startswith(b"data:"):
                     continue
@@ -163,13 +175,21 @@ class Client:
                     raise BenchError(f"the server streamed a non-JSON event: {data[:200]!r}") from exc
                 if "error" in event:
                     raise BenchError(f"the server failed a request mid-stream: {event['error']}")
-                if ttft is None and event.get("choices"):
-                    ttft = time.perf_counter() - started
+                for choice in event.get("choices") or []:
+                    text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    if ttft is None and (text or choice.get("finish_reason") or "text" in choice):
+                        ttft = time.perf_counter() - started
+                    parts.append(text)
                 usage = event.get("usage") or usage
         if ttft is None:
-            raise BenchError(f"POST {self.base}/completions streamed no event with choices")
-        details = usage.get("prompt_tokens_details") or {}
-        return Timing(ttft, usage.get("prompt_tokens"), details.get("cached_tokens"))
+            raise BenchError(f"POST {self.base}{path} streamed no generated text")
+        return Streamed(ttft, "".join(parts), usage)
+
+    async def complete(self, prompt: list[int]) -> Timing:
+        """A text completion of one token on token ids: its TTFT and usage."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        return (await self.stream("/completions", body)).timing()
 
 
 def _progress(message: str) -> None:

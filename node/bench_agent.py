@@ -19,8 +19,7 @@ import random
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -199,23 +198,6 @@ class Settings:
     modes: tuple[str, ...]
 
 
-async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    """The JSON events of an SSE response, up to `[DONE]`; an error event raises."""
-    async for line in response.content:
-        if not line.startswith(b"data:"):
-            continue
-        data = line[len(b"data:"):].strip().decode()
-        if data == "[DONE]":
-            return
-        try:
-            event = json.loads(data)
-        except ValueError as exc:
-            raise BenchError(f"the server streamed a non-JSON event: {data[:200]!r}") from exc
-        if "error" in event:
-            raise BenchError(f"the server failed a request mid-stream: {event['error']}")
-        yield event
-
-
 class AgentClient(Client):
     """Streamed chat completions, and the node's Prometheus counters when it is a local node."""
 
@@ -229,26 +211,13 @@ class AgentClient(Client):
         compute)."""
         body = {"model": self.model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
-        ttft: float | None = None
-        parts: list[str] = []
-        usage: dict[str, Any] = {}
-        started = time.perf_counter()
-        async with self.session.post(self.base + "/chat/completions", json=body, headers=self.headers) as response:
-            if response.status != 200:
-                raise BenchError(f"POST {self.base}/chat/completions answered {response.status}: "
-                                 f"{await response.text()}")
-            async for event in _events(response):
-                for choice in event.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content") or ""
-                    if ttft is None and (content or choice.get("finish_reason")):
-                        ttft = time.perf_counter() - started
-                    parts.append(content)
-                usage = event.get("usage") or usage
-        if ttft is None or "prompt_tokens" not in usage:
-            raise BenchError(f"POST {self.base}/chat/completions streamed no content or no usage "
+        streamed = await self.stream("/chat/completions", body)
+        usage = streamed.usage
+        if "prompt_tokens" not in usage:
+            raise BenchError(f"POST {self.base}/chat/completions streamed no usage "
                              "(the server must honour stream_options.include_usage)")
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        return Reply("".join(parts), ttft, int(usage["prompt_tokens"]), int(cached),
+        return Reply(streamed.text, streamed.ttft_s, int(usage["prompt_tokens"]), int(cached),
                      usage.get("cached_write_tokens"), int(usage.get("completion_tokens", 0)))
 
     async def scrape(self) -> dict[str, float]:

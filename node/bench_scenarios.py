@@ -20,7 +20,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -231,32 +230,10 @@ class ScenarioRun:
 
 
 async def stream_chat(client: Client, messages: Messages) -> Timing:
-    """TTFT of a streamed chat completion: to the first event carrying content or a finish reason (the node
-    sends the role before it computes anything)."""
+    """TTFT and usage of a one-token streamed chat completion."""
     body = {"model": client.model, "messages": messages, "max_tokens": 1, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    ttft: float | None = None
-    usage: dict[str, Any] = {}
-    started = time.perf_counter()
-    async with client.session.post(client.base + "/chat/completions", json=body, headers=client.headers) as response:
-        if response.status != 200:
-            raise BenchError(f"POST {client.base}/chat/completions answered {response.status}: "
-                             f"{await response.text()}")
-        async for line in response.content:
-            data = line[len(b"data:"):].strip().decode() if line.startswith(b"data:") else ""
-            if not data or data == "[DONE]":
-                continue
-            event = json.loads(data)
-            if "error" in event:
-                raise BenchError(f"the server failed a request mid-stream: {event['error']}")
-            choice = (event.get("choices") or [{}])[0]
-            if ttft is None and ((choice.get("delta") or {}).get("content") or choice.get("finish_reason")):
-                ttft = time.perf_counter() - started
-            usage = event.get("usage") or usage
-    if ttft is None:
-        raise BenchError(f"POST {client.base}/chat/completions streamed no content")
-    details = usage.get("prompt_tokens_details") or {}
-    return Timing(ttft, usage.get("prompt_tokens"), details.get("cached_tokens"))
+    return (await client.stream("/chat/completions", body)).timing()
 
 
 async def text_extended(s: ScenarioRun) -> None:
