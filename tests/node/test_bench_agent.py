@@ -17,8 +17,9 @@ from tests.node.conftest import start_node, stop_node
 
 TENZRO = str(Path(sys.executable).parent / "tenzro")
 EPISODES, STEPS = 1, 4
-LOCAL_MODES = ["ours", "none", "exact", "interval-512", "oracle"]
-TABLE_MODES = ["none", "exact", "interval-512", "ours", "oracle"]
+BUDGET_MODES = ["ours-value-1MiB", "ours-lru-1MiB"]
+LOCAL_MODES = ["ours", "none", "exact", "interval-512", "oracle", *BUDGET_MODES]
+TABLE_MODES = ["none", "exact", "interval-512", "ours", "oracle", *BUDGET_MODES]
 FIRST_PROMPT_TOKENS = 1555  # system prompt, tools and task of episode 1, rendered by the embedded tokenizer
 
 
@@ -36,17 +37,16 @@ def _bench(out: Path, home: Path, *extra: str) -> subprocess.Popen[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, BenchRun]:
-    """The three runs at once (their timings do not matter here; their token counts are exact): local
-    modes without and with a budget, and a local node measured through --url."""
+    """Two runs at once (their timings do not matter here; their token counts are exact): every local mode
+    with a budget, and, without one, a node measured through --url."""
     from node.engine.synthetic import init_model
 
     tmp = tmp_path_factory.mktemp("bench-agent")
     model = str(init_model("bamba", tmp / "bamba", size="small"))
     node = start_node(tmp / "node", Path(model))
     try:
-        processes = {"plain": _bench(tmp / "plain.json", tmp / "home1", "--model", model),
-                     "budget": _bench(tmp / "budget.json", tmp / "home2", "--model", model, "--budget-mib", "1"),
-                     "url": _bench(tmp / "url.json", tmp / "home3", "--url", node.url, "--api-key",
+        processes = {"local": _bench(tmp / "local.json", tmp / "home1", "--model", model, "--budget-mib", "1"),
+                     "url": _bench(tmp / "url.json", tmp / "home2", "--url", node.url, "--api-key",
                                    node.add_key("bench"))}
         outputs = {name: process.communicate(timeout=300) for name, process in processes.items()}
     finally:
@@ -108,10 +108,10 @@ def test_reply_mismatches_name_the_mode_and_step() -> None:
 
 
 def test_bench_agent_local_modes_reuse_as_their_policies_allow(runs: dict[str, BenchRun]) -> None:
-    stdout, report = runs["plain"].stdout, runs["plain"].report
+    stdout, report = runs["local"].stdout, runs["local"].report
     settings = report["settings"]
     assert settings == {"url": None, "model": "bamba", "threads": 1, "device": None, "episodes": EPISODES,
-                        "steps": STEPS, "max_tokens": MAX_TOKENS, "edit_fraction": 0.3, "seed": 0, "budget_mib": 0,
+                        "steps": STEPS, "max_tokens": MAX_TOKENS, "edit_fraction": 0.3, "seed": 0, "budget_mib": 1,
                         "modes": LOCAL_MODES}
     assert report["replies_identical"] is True
     modes = _by_mode(report)
@@ -143,26 +143,16 @@ def test_bench_agent_local_modes_reuse_as_their_policies_allow(runs: dict[str, B
     assert 0 < memory["snapshot_bytes"] < memory["cached_bytes"]
     lines = stdout.splitlines()
     assert lines[0].split()[:3] == ["mode", "reused", "of"]
-    assert [line.split()[0] for line in lines[1:6]] == TABLE_MODES
-    assert lines[6].startswith("state held at the end of 'ours':")
-
-
-def test_bench_agent_budget_adds_value_and_lru_runs_of_ours(runs: dict[str, BenchRun]) -> None:
-    budgeted, plain = runs["budget"].report, runs["plain"].report
-    assert budgeted["settings"]["budget_mib"] == 1
-    assert budgeted["settings"]["modes"] == [*LOCAL_MODES, "ours-value-1MiB", "ours-lru-1MiB"]
-    assert budgeted["replies_identical"] is True
-    budget_modes = _by_mode(budgeted)
-    for name in ("ours-value-1MiB", "ours-lru-1MiB"):
-        assert [s["reply"] for s in budget_modes[name]] == [s["reply"] for s in _by_mode(plain)["ours"]]
-        assert budget_modes[name][0]["cached_tokens"] == 0
+    assert [line.split()[0] for line in lines[1:8]] == TABLE_MODES
+    assert lines[8].startswith("state held at the end of 'ours':")
 
 
 def test_bench_agent_measures_a_url_as_its_only_mode(runs: dict[str, BenchRun]) -> None:
     stdout, report = runs["url"].stdout, runs["url"].report
-    ours = _by_mode(runs["plain"].report)["ours"]
+    ours = _by_mode(runs["local"].report)["ours"]
     assert report["settings"]["url"].startswith("http://127.0.0.1:") and report["settings"]["model"] == "bamba"
-    assert report["settings"]["threads"] is None and report["settings"]["modes"] == ["url"]
+    assert report["settings"]["threads"] is None and report["settings"]["budget_mib"] == 0
+    assert report["settings"]["modes"] == ["url"]
     assert report["snapshot_memory"] is None
     samples = report["samples"]
     assert [(s["mode"], s["step"]) for s in samples] == [("url", step) for step in range(STEPS)]
