@@ -115,15 +115,15 @@ class PrefixCache:
         """
         tree = self._tree(scope)
         leaf = tree.insert(tokens, lambda start, end: self.arena.put(scope, extract(start, end)))
+        start = len(tokens) if leaf is None else leaf.start  # read now: snapshot boundaries may cut the leaf
         for position in sorted(snapshots or {}):
             if 0 < position <= len(tokens):
                 node = tree.boundary(tokens, position)
                 assert node.handle is not None and snapshots is not None
                 self.arena.attach_snapshot(node.handle, snapshots[position])
         self.enforce_budget(scope.caller)
-        if leaf is None:
-            return StoreResult(len(tokens), 0)
-        return StoreResult(leaf.start, len(leaf.tokens) if leaf.parent is not None else 0)
+        held = tree.match(tokens).length if start < len(tokens) else start
+        return StoreResult(start, max(0, held - start))
 
     def enforce_budget(self, caller: str) -> None:
         """Evict unheld state until the caller's and the node's budgets hold."""
@@ -172,8 +172,8 @@ class PrefixCache:
         heapq.heapify(heap)
         while heap and over_budget():
             _, _, scope, tree, node, whole = heapq.heappop(heap)
-            if node.handle is None or (whole and node.parent is None):
-                continue  # already gone
+            if node.handle is None:
+                continue  # evicted whole after this entry was made
             if not whole:
                 if self.arena.snapshot(node.handle) is not None:
                     self.arena.drop_snapshot(node.handle)

@@ -151,10 +151,11 @@ class RadixTree(Generic[H]):
                 yield node
 
     def remove_leaf(self, node: TreeNode[H]) -> H:
+        """Detach a leaf; it keeps no parent and no handle, so stale references can tell it is gone."""
         assert not node.children and node.refs == 0 and node.parent is not None and node.handle is not None
         del node.parent.children[node.tokens[0]]
-        node.parent = None
-        return node.handle
+        handle, node.parent, node.handle = node.handle, None, None
+        return handle
 
     def nodes(self) -> Iterator[TreeNode[H]]:
         stack = list(self.root.children.values())

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from cache.adapters import Snapshot
 from cache.arena import Scope
-from cache.prefix_cache import PrefixCache
+from cache.prefix_cache import PrefixCache, StoreResult
 from cache.radix_tree import common_prefix_length
 from cache.snapshot_policy import SnapshotPolicy
 from node.engine.detokenizer import Detokenizer
@@ -139,14 +139,15 @@ class Runner:
             self.prefix_cache.release(lease)
         return cache, lease.length, lease.matched
 
-    def _store(self, scope: Scope, tokens: list[int], cache: DynamicCache, snapshots: dict[int, Snapshot]) -> int:
+    def _store(self, scope: Scope, tokens: list[int], cache: DynamicCache, snapshots: dict[int, Snapshot]
+               ) -> StoreResult:
         if self.prefix_cache is None or self.loaded.state is None:
-            return 0
+            return StoreResult(len(tokens), 0)
         state = self.loaded.state
         result = self.prefix_cache.store(scope, tokens, lambda start, end: state.extract(cache, start, end),
                                          snapshots)
         self._hot = (scope, tuple(tokens))
-        return result.stored
+        return result
 
     @torch.inference_mode()
     def generate(self, request: GenerationRequest, emit: Callable[[str], Any],
@@ -188,7 +189,8 @@ class Runner:
             if self._takes_snapshots and self.policy.ends and self.loaded.state is not None:
                 snapshots[len(fed)] = self.loaded.state.snapshot(cache)
         stored = self._store(request.scope, fed, cache, snapshots)
-        written = min(stored, max(0, len(prompt) - (len(fed) - stored)))
+        # Prompt tokens among those newly stored and still held.
+        written = max(0, min(len(prompt), stored.start + stored.stored) - stored.start)
         return GenerationResult(prompt_tokens=len(prompt), cached_read_tokens=restored,
                                 cached_write_tokens=written, output_ids=output, text=detok.text,
                                 finish_reason=finish_reason, queue_wait_s=queue_wait_s, ttft_s=ttft,

@@ -115,3 +115,37 @@ def test_dropping_a_scope_frees_all_its_bytes() -> None:
     store(cache, ALICE, list(range(10)) + [7])
     cache.drop_scope(ALICE)
     assert cache.arena.bytes_total == 0 and len(cache.arena) == 0
+
+
+def marker(tokens: list[int], positions: list[int]) -> dict[int, tuple]:
+    """Snapshots at `positions`: K/V-shaped pieces standing in for a sliding window's tail."""
+    extract = state_of(tokens)
+    return {p: tuple((piece,) for piece in extract(max(0, p - 2), p)) for p in positions}
+
+
+def test_a_store_that_takes_snapshots_reports_every_token_it_wrote() -> None:
+    cache = make_cache()
+    tokens = list(range(40))
+    result = cache.store(ALICE, tokens, state_of(tokens), marker(tokens, [10, 25, 40]))
+    assert (result.start, result.stored) == (0, 40)
+    longer = tokens + [77] * 8
+    result = cache.store(ALICE, longer, state_of(longer), marker(longer, [30, 48]))
+    assert (result.start, result.stored) == (40, 8)
+
+
+def test_value_eviction_of_interior_snapshots_and_their_subtrees_never_touches_a_freed_handle() -> None:
+    cache = make_cache()
+    cache.budget = CacheBudget(cache.budget.node_bytes, cache.budget.caller_bytes, "value")
+    for branch in range(6):
+        tokens = list(range(30)) + [100 + branch] * 10
+        cache.store(ALICE, tokens, state_of(tokens), marker(tokens, [10, 20, 30, 40]))
+    assert cache.snapshot_positions(ALICE) == [10, 20, 30] + [40] * 6
+    bob = [7] * 12
+    cache.store(BOB, bob, state_of(bob), marker(bob, [12]))
+    for _ in range(60):  # Bob's state is fresh, Alice's old: hers goes first, whole and snapshot by snapshot
+        cache.release(cache.acquire(BOB, bob, limit=11, anywhere=False))
+    bob_bytes = cache.arena.bytes_of_caller("bob")
+    cache.budget = CacheBudget(bob_bytes - 1, 10_000 * BYTES_PER_TOKEN, "value")
+    cache.enforce_budget("bob")
+    assert cache.cached_tokens(ALICE) == 0
+    assert cache.arena.bytes_total <= bob_bytes - 1

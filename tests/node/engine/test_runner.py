@@ -127,3 +127,17 @@ def test_without_reuse_the_prefill_is_not_cut_for_snapshots(small_model_dir: Pat
     plain.generate(GenerationRequest(Scope("c", "h"), tokens(14, 300), SamplingParams(1, 0.0), boundaries=(90, 200)),
                    emit=lambda _: None, cancelled=lambda: False)
     assert lengths == [300]
+
+
+def test_cached_writes_count_the_whole_new_span_when_snapshots_cut_it(tmp_path: Path) -> None:
+    from node.engine.synthetic import init_model
+
+    hybrid = load_model("h", init_model("bamba", tmp_path / "h", size="small"))
+    run = Runner(hybrid, PrefixCache(CacheBudget(1 << 30, 1 << 30)))
+    prompt = tokens(15, 120)
+    first = run.generate(GenerationRequest(Scope("c", "h"), prompt, SamplingParams(4, 0.0), boundaries=(40, 90)),
+                         emit=lambda _: None, cancelled=lambda: False)
+    assert (first.cached_read_tokens, first.cached_write_tokens) == (0, 120)
+    second = run.generate(GenerationRequest(Scope("c", "h"), prompt[:90] + tokens(16, 30), SamplingParams(4, 0.0),
+                                            boundaries=(40, 90)), emit=lambda _: None, cancelled=lambda: False)
+    assert (second.cached_read_tokens, second.cached_write_tokens) == (90, 30)
