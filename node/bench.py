@@ -192,7 +192,7 @@ class Client:
         return (await self.stream("/completions", body)).timing()
 
 
-def _progress(message: str) -> None:
+def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
@@ -210,7 +210,7 @@ async def _measure(client: Client, source: PromptSource, settings: Settings) -> 
             for kind, timing in (("cold", cold), ("reused", reused)):
                 samples.append(Sample(length, kind, run, timing.ttft_s * 1000.0, timing.prompt_tokens,
                                       timing.cached_tokens))
-            _progress(f"bench: {length} tokens, run {run + 1}/{settings.runs}: cold "
+            progress(f"bench: {length} tokens, run {run + 1}/{settings.runs}: cold "
                       f"{samples[-2].ttft_ms:.1f} ms, reused {samples[-1].ttft_ms:.1f} ms "
                       f"(cached {reused.cached_tokens})")
     return samples
@@ -315,7 +315,7 @@ async def _bench(args: argparse.Namespace, lengths: tuple[int, ...],
             client = Client(session, api_base(args.url), args.api_key)
             client.model = args.model or await client.first_model()
         else:
-            _progress(f"bench: starting a local node for model '{node.model}' on {node.root}")
+            progress(f"bench: starting a local node for model '{node.model}' on {node.root}")
             await node.wait_healthy(session)
             client = Client(session, api_base(node.root), node.api_key)
             client.model = await client.first_model()
@@ -323,7 +323,7 @@ async def _bench(args: argparse.Namespace, lengths: tuple[int, ...],
         settings = Settings(url=client.base, model=client.model, local=local,
                             threads=args.threads if local else None, device=args.device if local else None,
                             lengths=lengths, new_tokens=args.new_tokens, runs=args.runs, seed=SEED)
-        _progress(f"bench: measuring model '{client.model}' at {client.base}")
+        progress(f"bench: measuring model '{client.model}' at {client.base}")
         return settings, await _measure(client, PromptSource(SEED), settings)
 
 
@@ -339,6 +339,13 @@ def _run(args: argparse.Namespace, lengths: tuple[int, ...]) -> tuple[Settings, 
             node.stop()
 
 
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    """A benchmark's JSON, next to the table it printed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    progress(f"bench: wrote {out}")
+
+
 def run_reuse_bench(args: argparse.Namespace) -> int:
     try:
         if args.new_tokens < 1 or args.runs < 1:
@@ -349,10 +356,6 @@ def run_reuse_bench(args: argparse.Namespace) -> int:
         return 2
     rows = summarise(settings, samples)
     print(format_table(rows))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"settings": asdict(settings), "rows": [asdict(r) for r in rows],
-              "samples": [asdict(s) for s in samples]}
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    _progress(f"bench: wrote {out}")
+    write_report(Path(args.out), {"settings": asdict(settings), "rows": [asdict(r) for r in rows],
+                                  "samples": [asdict(s) for s in samples]})
     return 0

@@ -27,7 +27,17 @@ from typing import Any
 import aiohttp
 import yaml
 
-from node.bench import REQUEST_TIMEOUT_S, SEED, BenchError, Client, LocalNode, PromptSource, _progress, api_base
+from node.bench import (
+    REQUEST_TIMEOUT_S,
+    SEED,
+    BenchError,
+    Client,
+    LocalNode,
+    PromptSource,
+    api_base,
+    progress,
+    write_report,
+)
 
 MAX_TOKENS = 24
 EDIT_FRACTION = 0.3
@@ -51,11 +61,11 @@ class AgentWorkload:
     """
 
     def __init__(self, seed: int, episodes: int, steps: int) -> None:
-        from node.engine.synthetic import _training_corpus
+        from node.engine.synthetic import training_corpus
 
         rng = random.Random(seed)
         self.episodes, self.steps = episodes, steps
-        lines = _training_corpus(seed, n_words=24_000)
+        lines = training_corpus(seed, n_words=24_000)
         words = [word.strip(".,?!:;\"()").lower() for line in lines for word in line.split()]  # Zipf-like
 
         def sentences(count: int) -> str:
@@ -266,7 +276,7 @@ async def _drive(client: AgentClient, workload: AgentWorkload, mode: Mode,
                                   None if matched is None else round(matched), reply.written_tokens, target))
             messages = messages + workload.after_reply(episode, step, reply.text)
         episode_samples = samples[-workload.steps:]
-        _progress(f"bench agent: {mode.name}, episode {episode + 1}/{workload.episodes}: reused "
+        progress(f"bench agent: {mode.name}, episode {episode + 1}/{workload.episodes}: reused "
                   f"{sum(s.reused_tokens for s in episode_samples)}/{sum(s.prompt_tokens for s in episode_samples)}"
                   f" prompt tokens, median TTFT {statistics.median(s.ttft_ms for s in episode_samples):.0f} ms")
     return samples
@@ -293,7 +303,7 @@ async def _local_mode(session: aiohttp.ClientSession, args: argparse.Namespace, 
     if mode.budget_bytes:  # read at start; `keys add` keeps the section
         node.config.write_text(yaml.safe_dump({"cache": {"node_bytes": mode.budget_bytes,
                                                          "caller_bytes": mode.budget_bytes}}))
-    _progress(f"bench agent: mode {mode.name}: starting a node for '{args.model}' {' '.join(mode.flags)}")
+    progress(f"bench agent: mode {mode.name}: starting a node for '{args.model}' {' '.join(mode.flags)}")
     try:
         node.start()
         await node.wait_healthy(session)
@@ -353,7 +363,7 @@ async def _run_url(args: argparse.Namespace, workload: AgentWorkload) -> Run:
         if not listed:
             raise BenchError(f"GET {client.base}/models lists no model")
         client.model = args.model if args.model in listed else listed[0]
-        _progress(f"bench agent: mode url: model '{client.model}' at {client.base}")
+        progress(f"bench agent: mode url: model '{client.model}' at {client.base}")
         samples = await _drive(client, workload, Mode("url"))
     settings = Settings(client.base, client.model, None, None, args.episodes, args.steps, MAX_TOKENS,
                         EDIT_FRACTION, SEED, 0, ("url",))
@@ -433,13 +443,9 @@ def run_agent_bench(args: argparse.Namespace) -> int:
     rows = summarise(run.samples)
     mismatches = reply_mismatches(run.samples)
     print(format_table(rows, run.memory))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"settings": asdict(run.settings), "rows": [asdict(r) for r in rows],
-              "snapshot_memory": None if run.memory is None else asdict(run.memory),
-              "replies_identical": not mismatches, "samples": [asdict(s) for s in run.samples]}
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    _progress(f"bench agent: wrote {out}")
+    write_report(Path(args.out), {"settings": asdict(run.settings), "rows": [asdict(r) for r in rows],
+                                  "snapshot_memory": None if run.memory is None else asdict(run.memory),
+                                  "replies_identical": not mismatches, "samples": [asdict(s) for s in run.samples]})
     if mismatches:
         print("tenzro: error: greedy replies differ between modes, so reuse changed the output: "
               + "; ".join(mismatches), file=sys.stderr)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -28,7 +27,18 @@ from typing import Any, cast
 import aiohttp
 
 from cache.radix_tree import common_prefix_length
-from node.bench import REQUEST_TIMEOUT_S, SEED, BenchError, Client, LocalNode, PromptSource, Timing, api_base
+from node.bench import (
+    REQUEST_TIMEOUT_S,
+    SEED,
+    BenchError,
+    Client,
+    LocalNode,
+    PromptSource,
+    Timing,
+    api_base,
+    progress,
+    write_report,
+)
 from node.config import add_key
 from node.engine.chat_template import render_chat
 
@@ -44,10 +54,6 @@ MIN_WORDS = 1000
 Messages = list[dict[str, str]]
 Prompt = list[int] | Messages
 """Token ids, sent to /v1/completions, or chat messages, sent to /v1/chat/completions."""
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 class ChatMessages:
@@ -224,7 +230,7 @@ class ScenarioRun:
                         None if allowance is None else ideal + allowance, len(ids) - cold.cached_tokens,
                         reused.ttft_s * 1000.0, cold.ttft_s * 1000.0)
         self.samples.append(sample)
-        _progress(f"bench: {self.form} {scenario} run {self.run + 1}: recomputed {sample.recomputed} of "
+        progress(f"bench: {self.form} {scenario} run {self.run + 1}: recomputed {sample.recomputed} of "
                   f"{sample.prompt_tokens} (ideal {ideal}); TTFT {sample.reused_ttft_ms:.1f} ms reused, "
                   f"{sample.cold_ttft_ms:.1f} ms cold")
 
@@ -403,14 +409,14 @@ async def _bench(args: argparse.Namespace, tokenizer: Any | None,
             main = await _client(session, api_base(args.url), args.api_key, None)
             cold = None
         else:
-            _progress(f"bench: starting a reusing and a --no-reuse node for model '{args.model}'")
+            progress(f"bench: starting a reusing and a --no-reuse node for model '{args.model}'")
             await asyncio.gather(*(node.wait_healthy(session) for node in nodes))
             main = await _client(session, api_base(nodes[0].root), nodes[0].api_key, None)
             cold = await _client(session, api_base(nodes[1].root), nodes[1].api_key, main.model)
         source = PromptSource(SEED)
         chat = ChatMessages(tokenizer, random.Random(SEED)) if tokenizer is not None else None
         if chat is None:
-            _progress(f"bench: no tokenizer for '{args.model}' here: the chat form is left out")
+            progress(f"bench: no tokenizer for '{args.model}' here: the chat form is left out")
         local = nodes is not None
         settings = Settings(url=main.base, model=main.model, local=local, threads=args.threads if local else None,
                             device=args.device if local else None,
@@ -463,10 +469,6 @@ def run_scenarios_bench(args: argparse.Namespace) -> int:
         return 2
     rows = summarise(samples)
     print(format_table(rows))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"settings": asdict(settings), "rows": [asdict(r) for r in rows],
-              "samples": [asdict(s) for s in samples]}
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    _progress(f"bench: wrote {out}")
+    write_report(Path(args.out), {"settings": asdict(settings), "rows": [asdict(r) for r in rows],
+                                  "samples": [asdict(s) for s in samples]})
     return 0

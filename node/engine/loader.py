@@ -14,6 +14,7 @@ from cache.adapters import ModelStateAdapter
 from cache.state_spec import UnsupportedLayerKindError, model_state_specs
 from node.engine import mamba1, mamba2
 from node.engine.cpu_layout import transpose_linear_weights
+from node.engine.reuse_check import check_reuse
 from node.engine.synthetic import ARCHITECTURES, ensure_default_model
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,11 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
         state = ModelStateAdapter(model_state_specs(model.config), model.config)
     except UnsupportedLayerKindError as exc:
         blocker = str(exc)
+    if state is not None:
+        check = check_reuse(model, state, int(text_config.vocab_size), torch_dtype)
+        if not check.passed:
+            state, blocker = None, (f"resuming from stored state differs from one pass by "
+                                    f"{check.relative_difference:.2e} of the largest logit")
     if blocker:
         log.warning("model %s is served without reuse: %s", model_id, blocker)
     return LoadedModel(model_id=model_id, path=path, model=model, tokenizer=tokenizer, context_length=context,

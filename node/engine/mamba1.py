@@ -17,6 +17,7 @@ It runs in float32 whatever the model dtype, and the cached SSM state is float32
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +84,7 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     return y.transpose(0, 1), state
 
 
-def _mask_padding(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def mask_padding(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Zero padded positions of `hidden_states` `[batch, seq, features]`.
 
     `attention_mask` `[batch, >= seq]` may span the cached tokens too (Mamba passes the caller's mask
@@ -95,7 +96,7 @@ def _mask_padding(hidden_states: torch.Tensor, attention_mask: torch.Tensor | No
     return (hidden_states * mask).to(hidden_states.dtype)
 
 
-def _causal_conv(mixer: Any, x: torch.Tensor, cache: Any) -> torch.Tensor:
+def causal_conv(mixer: Any, x: torch.Tensor, cache: Any) -> torch.Tensor:
     """Depthwise causal conv of `x` `[batch, channels, seq]` -> `[batch, channels, seq]`, activation applied.
 
     With a cache, the cached inputs are the left context and the cache's conv state moves to the chunk's
@@ -136,10 +137,10 @@ def mixer_forward(mixer: Any, spec: MixerSpec, hidden_states: torch.Tensor, cach
     """
     dtype = hidden_states.dtype
     initial_state = cache.get_recurrent_state(mixer.layer_idx) if cache is not None else None
-    projected = mixer.in_proj(_mask_padding(hidden_states, attention_mask))
+    projected = mixer.in_proj(mask_padding(hidden_states, attention_mask))
     x, gate = projected.chunk(2, dim=-1)  # [batch, seq, channels] each
-    x = _causal_conv(mixer, x.transpose(1, 2), cache).transpose(1, 2)
-    x = _mask_padding(x, attention_mask)
+    x = causal_conv(mixer, x.transpose(1, 2), cache).transpose(1, 2)
+    x = mask_padding(x, attention_mask)
     time_step, B, C = torch.split(mixer.x_proj(x), [mixer.time_step_rank, mixer.ssm_state_size,
                                                      mixer.ssm_state_size], dim=-1)
     if spec.norms_dt_b_c:
@@ -152,16 +153,21 @@ def mixer_forward(mixer: Any, spec: MixerSpec, hidden_states: torch.Tensor, cach
     return mixer.out_proj(y.to(dtype))
 
 
-def install(model: nn.Module) -> int:
-    """Make every Mamba-1 mixer of `model` continue from cached state; returns how many were patched.
+def patch_mixers(model: nn.Module, specs: Mapping[type, Any], forward: Callable[..., Any]) -> int:
+    """Give every module of `model` whose exact class is in `specs` the forward `forward(module, spec, ...)`.
 
-    Replaces `forward` on the mixer instances only, so other models of the same class are untouched.
-    Calling it again rebinds the same forward. Returns 0 for models without such mixers.
+    Replaces `forward` on the instances only, so other models of the same classes are untouched; calling
+    it again rebinds the same forward. Returns how many modules were patched.
     """
     patched = 0
     for module in model.modules():
-        spec = MIXER_SPECS.get(type(module))
+        spec = specs.get(type(module))
         if spec is not None:
-            module.forward = functools.partial(mixer_forward, module, spec)
+            module.forward = functools.partial(forward, module, spec)
             patched += 1
     return patched
+
+
+def install(model: nn.Module) -> int:
+    """Make every Mamba-1 mixer of `model` continue from cached state; returns how many were patched."""
+    return patch_mixers(model, MIXER_SPECS, mixer_forward)

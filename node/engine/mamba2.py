@@ -31,7 +31,7 @@ from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 from transformers.models.zamba2.modeling_zamba2 import Zamba2MambaMixer
 
-from node.engine.mamba1 import SCAN_BLOCK_BYTES, _causal_conv, _mask_padding
+from node.engine.mamba1 import SCAN_BLOCK_BYTES, causal_conv, mask_padding, patch_mixers
 
 SEQUENTIAL_SHARE: dict[str, float] = {"cpu": 0.5}
 """Per device type: a tail of at most this share of the mixer's `chunk_size` runs sequentially.
@@ -121,15 +121,15 @@ def sequential_forward(mixer: Any, spec: MixerSpec, hidden_states: torch.Tensor,
     dtype = hidden_states.dtype
     # Read before the conv update, which marks the layer as having a previous state.
     initial_state = cache.get_recurrent_state(mixer.layer_idx) if cache is not None else None
-    hidden_states = _mask_padding(hidden_states, attention_mask)
+    hidden_states = mask_padding(hidden_states, attention_mask)
     if spec.scales_projection:
         hidden_states = hidden_states * mixer.ssm_in_multiplier
     projected = mixer.in_proj(hidden_states)
     if spec.scales_projection:
         projected = projected * mixer.mup_vector
     gate, x_B_C, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
-    x_B_C = _causal_conv(mixer, x_B_C.transpose(1, 2), cache).transpose(1, 2)
-    x_B_C = _mask_padding(x_B_C, attention_mask)
+    x_B_C = causal_conv(mixer, x_B_C.transpose(1, 2), cache).transpose(1, 2)
+    x_B_C = mask_padding(x_B_C, attention_mask)
     group_width = mixer.n_groups * mixer.ssm_state_size
     x, B, C = torch.split(x_B_C, [mixer.intermediate_size, group_width, group_width], dim=-1)
     x = x.reshape(batch, seq_len, mixer.num_heads, mixer.head_dim)
@@ -184,15 +184,5 @@ def mixer_forward(mixer: Any, spec: MixerSpec, hidden_states: torch.Tensor, cach
 
 
 def install(model: nn.Module) -> int:
-    """Make every Mamba2-family mixer of `model` run short forwards sequentially; returns how many were patched.
-
-    Replaces `forward` on the mixer instances only, so other models of the same class are untouched.
-    Calling it again rebinds the same forward. Returns 0 for models without such mixers.
-    """
-    patched = 0
-    for module in model.modules():
-        spec = MIXER_SPECS.get(type(module))
-        if spec is not None:
-            module.forward = functools.partial(mixer_forward, module, spec)
-            patched += 1
-    return patched
+    """Make every Mamba2-family mixer of `model` run short forwards sequentially; returns how many were patched."""
+    return patch_mixers(model, MIXER_SPECS, mixer_forward)

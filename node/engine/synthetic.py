@@ -273,7 +273,7 @@ ARCHITECTURES: dict[str, Callable[[Size], PretrainedConfig]] = {
     **FAMILIES, **{name: FAMILIES[family] for name, family in CLASSES.items()}}
 
 
-def _training_corpus(seed: int, n_words: int = 400_000) -> list[str]:
+def training_corpus(seed: int, n_words: int = 400_000) -> list[str]:
     """Pseudo-English lines from a seeded syllable lexicon with a Zipf-like word distribution."""
     rng = random.Random(seed)
     onsets = ["", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w",
@@ -306,7 +306,7 @@ def _trained_tokenizer() -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_training_corpus(SEED), trainer)
+    tokenizer.train_from_iterator(training_corpus(SEED), trainer)
     return tokenizer.to_str()
 
 
