@@ -23,6 +23,7 @@ from transformers.cache_utils import LinearAttentionLayer
 
 from node.engine import mamba1
 from node.engine.cpu_layout import transpose_linear_weights
+from tests.node.engine.model_calls import forward, prefill
 
 TOLERANCE = 1e-4  # float32; logits are of order 5 to 15
 UPSTREAM_ERROR = 1e-2  # the least error the upstream two-chunk prefill shows on these models
@@ -83,24 +84,6 @@ def pair(request: pytest.FixtureRequest) -> Pair:
 def tokens(seed: int, n: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, 1000, (n,), generator=generator).tolist()
-
-
-@torch.inference_mode()
-def forward(model: Any, ids: list[int], start: int, cache: DynamicCache | None) -> torch.Tensor:
-    """Logits `[len, vocab]` for `ids` at positions `[start, start + len)`."""
-    out = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(start, start + len(ids)).unsqueeze(0),
-                cache=cache, use_cache=cache is not None)
-    return out.logits[0].float()
-
-
-def prefill(model: Any, ids: list[int], start: int, cache: DynamicCache, chunks: list[int]) -> torch.Tensor:
-    """Run `ids` in chunks of the given lengths; logits `[len, vocab]` of all of them."""
-    assert sum(chunks) == len(ids)
-    logits, offset = [], 0
-    for length in chunks:
-        logits.append(forward(model, ids[offset:offset + length], start + offset, cache))
-        offset += length
-    return torch.cat(logits)
 
 
 def snapshot(cache: DynamicCache, config: Any) -> DynamicCache:

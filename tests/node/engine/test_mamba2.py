@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 from node.engine import mamba2
 from node.engine.loader import load_model
 from node.engine.synthetic import SIZES, init_model
+from tests.node.engine.model_calls import forward, prefill
 
 TOLERANCE = 1e-4  # float32; logits are of order 1 to 5
 STATE_EFFECT = 1e-3
@@ -98,24 +99,6 @@ def scans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def tokens(seed: int, n: int, vocab: int = 30000) -> list[int]:
     return torch.randint(100, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.inference_mode()
-def forward(model: Any, ids: list[int], start: int, cache: DynamicCache | None) -> torch.Tensor:
-    """Logits `[len, vocab]` for `ids` at positions `[start, start + len)`."""
-    out = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(start, start + len(ids)).unsqueeze(0),
-                cache=cache, use_cache=cache is not None)
-    return out.logits[0].float()
-
-
-def prefill(model: Any, ids: list[int], start: int, cache: DynamicCache, chunks: list[int]) -> torch.Tensor:
-    """Run `ids` in chunks of the given lengths; logits `[len, vocab]` of all of them."""
-    assert sum(chunks) == len(ids)
-    logits, offset = [], 0
-    for length in chunks:
-        logits.append(forward(model, ids[offset:offset + length], start + offset, cache))
-        offset += length
-    return torch.cat(logits)
 
 
 def snapshot(cache: DynamicCache, config: Any, zero_recurrent: bool = False) -> DynamicCache:
