@@ -71,7 +71,8 @@ def _window(layer: Any) -> int:
     return int(layer.sliding_window)
 
 
-# Cache-layer class (exact type) -> the state parts it holds. Order matters: subclasses are listed whole.
+# Cache-layer class -> the state parts it holds. Looked up by exact type: the hybrid classes subclass the
+# plain ones, so an isinstance test would give them the wrong parts.
 LAYER_CLASS_SPECS: dict[type, Any] = {
     DynamicLayer: lambda layer: (FullAttentionSpec(),),
     DynamicSlidingWindowLayer: lambda layer: (SlidingWindowSpec(_window(layer)),),
