@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from cache.adapters import ModelStateAdapter
 from cache.state_spec import UnsupportedLayerKindError, model_state_specs
 from node.engine import mamba1, mamba2
+from node.engine.cpu_decoder import CpuDecoder
+from node.engine.cpu_kernels import load_kernels
 from node.engine.cpu_layout import transpose_linear_weights
 from node.engine.reuse_check import check_reuse
 from node.engine.synthetic import ARCHITECTURES, ensure_default_model
@@ -39,6 +42,18 @@ class LoadedModel:
     state: ModelStateAdapter | None
     """How to cut and restore this model's state; None when some layer kind is not supported yet."""
     reuse_blocker: str | None
+    decoder: CpuDecoder | None = None
+    """The CPU kernels' forward for short chunks, where the model has one and the node runs on one thread."""
+
+    def forward(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
+        """Run `ids` at positions `[start, start + len)` into `cache`; returns the last position's logits
+        `[vocab]` in float32."""
+        if self.decoder is not None and self.decoder.takes(len(ids)):
+            return self.decoder.forward(ids, start, cache)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
+        out = self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float()
 
 
 def resolve_model_dir(spec: str, home: Path) -> tuple[str, Path]:
@@ -80,6 +95,18 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _cpu_decoder(model: Any, model_id: str) -> CpuDecoder | None:
+    """The kernels' forward where it applies: one torch thread (the kernels are single-threaded), and a
+    model whose short forward it reproduces (checked here against transformers' own)."""
+    if torch.get_num_threads() != 1:
+        return None
+    decoder = CpuDecoder.build(model, load_kernels())
+    if decoder is not None and not decoder.agrees_with_model():
+        log.warning("model %s: the CPU kernels' forward differs from transformers'; not used", model_id)
+        return None
+    return decoder
+
+
 def load_model(model_id: str, path: Path, device: str | None = None, dtype: str | None = None) -> LoadedModel:
     _check_model_dir(path)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -95,6 +122,7 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
             transpose_linear_weights(model)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load the model in {path}: {exc}") from exc
+    decoder = _cpu_decoder(model, model_id) if target.type == "cpu" else None
     text_config = config.get_text_config(decoder=True)
     context = int(getattr(text_config, "max_position_embeddings", 0) or tokenizer.model_max_length)
     state: ModelStateAdapter | None = None
@@ -103,13 +131,14 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
         state = ModelStateAdapter(model_state_specs(model.config), model.config)
     except UnsupportedLayerKindError as exc:
         blocker = str(exc)
+    loaded = LoadedModel(model_id=model_id, path=path, model=model, tokenizer=tokenizer, context_length=context,
+                         device=target, dtype=torch_dtype, eos_token_ids=_eos_ids(model, tokenizer), state=state,
+                         reuse_blocker=blocker, decoder=decoder)
     if state is not None:
-        check = check_reuse(model, state, int(text_config.vocab_size), torch_dtype)
+        check = check_reuse(loaded.forward, state, int(text_config.vocab_size), torch_dtype)
         if not check.passed:
             state, blocker = None, (f"resuming from stored state differs from one pass by "
                                     f"{check.relative_difference:.2e} of the largest logit")
     if blocker:
         log.warning("model %s is served without reuse: %s", model_id, blocker)
-    return LoadedModel(model_id=model_id, path=path, model=model, tokenizer=tokenizer, context_length=context,
-                       device=target, dtype=torch_dtype, eos_token_ids=_eos_ids(model, tokenizer), state=state,
-                       reuse_blocker=blocker)
+    return dataclasses.replace(loaded, state=state, reuse_blocker=blocker)

@@ -8,6 +8,7 @@ compares with one full pass; a model that fails is served without reuse, with th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,26 +29,23 @@ class ReuseCheck:
     relative_difference: float
 
 
-def _last_logits(model: Any, ids: list[int], start: int, cache: Any) -> torch.Tensor:
-    device = next(model.parameters()).device
-    out = model(input_ids=torch.tensor([ids], device=device),
-                position_ids=torch.arange(start, start + len(ids), device=device).unsqueeze(0),
-                cache=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1].float()
+Forward = Callable[[list[int], int, Any], torch.Tensor]
+"""(ids, start position, working cache) -> the last position's logits `[vocab]`: the engine's forward."""
 
 
 @torch.inference_mode()
-def check_reuse(model: Any, state: ModelStateAdapter, vocab_size: int, dtype: torch.dtype) -> ReuseCheck:
-    """Prefill a prefix, store it and its snapshot, restore into a fresh cache, run a multi-token suffix."""
+def check_reuse(forward: Forward, state: ModelStateAdapter, vocab_size: int, dtype: torch.dtype) -> ReuseCheck:
+    """Prefill a prefix, store it and its snapshot, restore into a fresh cache, run a multi-token suffix,
+    all through the forward that will serve."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(min(100, vocab_size - 1), vocab_size, (PREFIX + SUFFIX,), generator=generator).tolist()
     whole, _ = state.new_cache(PREFIX + SUFFIX)
-    expected = _last_logits(model, ids, 0, whole)
+    expected = forward(ids, 0, whole)
     work, _ = state.new_cache(PREFIX + SUFFIX)
-    _last_logits(model, ids[:PREFIX], 0, work)
+    forward(ids[:PREFIX], 0, work)
     spans, snapshot = [(state.extract(work, 0, PREFIX), PREFIX)], state.snapshot(work)
     resumed, _ = state.new_cache(PREFIX + SUFFIX)
     state.restore(resumed, spans, snapshot=snapshot, position=PREFIX)
-    got = _last_logits(model, ids[PREFIX:], PREFIX, resumed)
+    got = forward(ids[PREFIX:], PREFIX, resumed)
     difference = float((got - expected).abs().max() / expected.abs().max().clamp(min=1.0))
     return ReuseCheck(difference <= TOLERANCE.get(dtype, HALF_TOLERANCE), difference)

@@ -69,12 +69,7 @@ class Runner:
 
     def _forward(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
         """Run `ids` at positions `[start, start + len)`; returns the last position's logits `[vocab]`."""
-        device = self.loaded.device
-        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-        positions = torch.arange(start, start + len(ids), device=device).unsqueeze(0)
-        out = self.loaded.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True,
-                                logits_to_keep=1)
-        return out.logits[0, -1].float()
+        return self.loaded.forward(ids, start, cache)
 
     @property
     def _takes_snapshots(self) -> bool:

@@ -126,8 +126,9 @@ def _every(size: Size, kind: str, otherwise: str) -> list[str]:
 
 
 def _llama(size: Size) -> PretrainedConfig:
-    return LlamaConfig(**_vocabulary(size), **_attention(size), num_hidden_layers=size.layers,
-                       intermediate_size=size.intermediate, tie_word_embeddings=False)
+    """Heads of at least 32 dims, so that the small test model runs on the CPU kernels' decoder too."""
+    return LlamaConfig(**_vocabulary(size), **_attention(size), head_dim=max(32, size.hidden // size.heads),
+                       num_hidden_layers=size.layers, intermediate_size=size.intermediate, tie_word_embeddings=False)
 
 
 def _mistral(size: Size) -> PretrainedConfig:

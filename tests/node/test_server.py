@@ -211,8 +211,9 @@ def test_models_and_metrics(node_factory, small_model_dir: Path) -> None:
     assert values['tenzro_prompt_tokens_total{source="reused"}'] == 50
     assert values['tenzro_prompt_tokens_total{source="prefilled"}'] == 51
     assert values["tenzro_time_to_first_token_seconds_count"] == 2
-    # Stored: 50 prompt + 2 reply tokens, then 1 more prompt + 2 reply tokens, in 2 layers of K and V.
-    per_token = 2 * 2 * 2 * (64 // 4) * 4
+    # Stored: 50 prompt + 2 reply tokens, then 1 more prompt + 2 reply tokens, in 2 layers of K and V
+    # (2 kv heads of 32 dims, float32).
+    per_token = 2 * 2 * 2 * 32 * 4
     assert values["tenzro_cached_bytes"] == (52 + 1 + 2) * per_token
     assert "alice" not in text
 

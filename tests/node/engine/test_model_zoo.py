@@ -46,7 +46,7 @@ SMALL_LAYERS: dict[str, tuple[list[str], list[str] | None]] = {
 
 # Parameter counts (small, default). A change here is a recipe change: bump RECIPE_VERSION with it.
 PARAMETERS: dict[str, tuple[int, int]] = {
-    "llama": (4_170_048, 58_073_600),
+    "llama": (4_194_624, 58_073_600),
     "mistral": (4_170_048, 58_073_600),
     "gemma2": (2_196_544, 41_697_792),
     "gemma3": (2_196_672, 41_698_816),

@@ -1,0 +1,183 @@
+"""The CPU kernels of `kernels/cpu_kernels.cpp`: built with the machine's C++ compiler on first use, called
+through ctypes (which releases the GIL, so the event loop keeps serving during a forward).
+
+They exist for the few-token forwards of a resumed prompt on one thread, where library kernels leave
+memory traffic and arithmetic serial (see the source's header). Any machine without AVX-512 or a compiler
+gets None from `load_kernels` and the engine runs transformers' own forward instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "cpu_kernels.cpp"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+PANEL = 32
+"""Output columns per packed panel (`NR` in the source)."""
+ALIGNMENT = 64
+"""Bytes: packed panels are read with aligned vector loads."""
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
+    "tz_has_avx512": ([], ctypes.c_int),
+    "tz_packed_floats": ([_i64, _i64], _i64),
+    "tz_pack": ([_ptr, _i64, _i64, _i64, _i64, _ptr], None),
+    "tz_gemm": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int], None),
+    "tz_attention": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _ptr, _i64],
+                     ctypes.c_int),
+    "tz_rmsnorm": ([_ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64], None),
+    "tz_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
+    "tz_silu_mul": ([_ptr, _i64, _i64, _ptr], None),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A linear layer's weight in the kernels' panel layout: `[ceil(out / 32), in, 32]`, 64-byte aligned."""
+
+    data: torch.Tensor
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def _aligned_empty(floats: int) -> torch.Tensor:
+    spare = ALIGNMENT // 4
+    raw = torch.empty(floats + spare, dtype=torch.float32)
+    offset = (-raw.data_ptr() % ALIGNMENT) // 4
+    return raw[offset:offset + floats]
+
+
+def _contiguous_rows(tensor: torch.Tensor) -> bool:
+    return tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.stride(-1) == 1
+
+
+class CpuKernels:
+    """Typed calls into the built library. Tensors are float32 on the CPU; shapes are in each docstring."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        for name, (arguments, result) in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = arguments, result
+        self._lib = library
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
+        """Pack `weight` `[out, in]` (any strides, e.g. a transposed view)."""
+        weight = weight.detach().float()
+        out_features, in_features = weight.shape
+        data = _aligned_empty(self._lib.tz_packed_floats(in_features, out_features))
+        self._lib.tz_pack(weight.data_ptr(), in_features, out_features, weight.stride(0), weight.stride(1),
+                          data.data_ptr())
+        packed_bias = None if bias is None else bias.detach().float().contiguous()
+        return PackedWeight(data, in_features, out_features, packed_bias)
+
+    def gemm(self, x: torch.Tensor, weight: PackedWeight, out: torch.Tensor, accumulate: bool = False) -> None:
+        """`out[M, out] (+)= x[M, in] @ weight.T + bias`; rows of x and out may be strided."""
+        assert _contiguous_rows(x) and _contiguous_rows(out) and x.shape[1] == weight.in_features
+        assert out.shape == (x.shape[0], weight.out_features)
+        bias = weight.bias.data_ptr() if weight.bias is not None else None
+        self._lib.tz_gemm(x.data_ptr(), x.shape[0], weight.in_features, x.stride(0), weight.data.data_ptr(),
+                          weight.out_features, out.data_ptr(), out.stride(0), bias, int(accumulate))
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
+                  out: torch.Tensor) -> bool:
+        """Causal attention of q `[T, heads, head_dim]` at positions `start..start+T-1` over keys and values
+        `[1, kv_heads, start+T, head_dim]` into out `[T, heads * head_dim]`; False when the shape is not
+        one the kernel takes (then nothing was written)."""
+        tokens, heads, head_dim = q.shape
+        kv_heads, length = keys.shape[1], keys.shape[2]
+        if (keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != head_dim
+                or q.stride(2) != 1 or q.stride(1) != head_dim or length != start + tokens):
+            return False
+        status = self._lib.tz_attention(q.data_ptr(), tokens, heads, kv_heads, head_dim, q.stride(0),
+                                        keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.stride(2), length,
+                                        start, scale, out.data_ptr(), out.stride(0))
+        return bool(status == 0)
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+        """out `[T, N]` = weight * x / sqrt(mean(x^2) + eps), per row of x `[T, N]`."""
+        assert _contiguous_rows(x) and _contiguous_rows(out) and weight.is_contiguous()
+        self._lib.tz_rmsnorm(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), eps,
+                             out.data_ptr(), out.stride(0))
+
+    def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotary embedding in place on the first `heads` heads of each row of x `[T, >= heads * head_dim]`;
+        cos and sin `[T, head_dim]`, contiguous."""
+        assert _contiguous_rows(x) and cos.is_contiguous() and sin.is_contiguous()
+        self._lib.tz_rope(x.data_ptr(), x.shape[0], heads, head_dim, x.stride(0), cos.data_ptr(), sin.data_ptr())
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """out `[T, I]` = silu(gate_up[:, :I]) * gate_up[:, I:], both contiguous."""
+        assert gate_up.is_contiguous() and out.is_contiguous() and gate_up.shape[1] == 2 * out.shape[1]
+        self._lib.tz_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr())
+
+
+def _machine_key() -> str:
+    """What -march=native depends on: a library built on one CPU model must not load on another."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = platform.processor()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(lines)
+
+
+def _has_avx512() -> bool:
+    try:
+        return " avx512f " in f" {Path('/proc/cpuinfo').read_text()} ".replace("\n", " ")
+    except OSError:
+        return False
+
+
+def _build(target: Path, compiler: str) -> bool:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
+                                check=False)
+        if result.returncode != 0:
+            log.warning("CPU kernels did not build (%s); using transformers' forward: %s", compiler,
+                        result.stderr.strip()[-500:])
+            return False
+        os.replace(built, target)  # atomic: a concurrent loader sees the old name or the whole file
+    return True
+
+
+def default_cache_dir() -> Path:
+    """Built libraries are per machine, not per node home: $XDG_CACHE_HOME/tenzro/kernels."""
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "tenzro" / "kernels"
+
+
+def load_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
+    """The kernels for this machine, built into `cache_dir` on first use; None where they cannot run."""
+    cache_dir = cache_dir or default_cache_dir()
+    if platform.machine() not in ("x86_64", "AMD64") or not _has_avx512():
+        return None
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        log.warning("no C++ compiler found; using transformers' forward on the CPU")
+        return None
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _machine_key().encode()).hexdigest()
+    target = cache_dir / f"cpu_kernels-{digest[:16]}.so"
+    if not target.exists() and not _build(target, compiler):
+        return None
+    library = ctypes.CDLL(str(target))
+    kernels = CpuKernels(library)
+    return kernels if library.tz_has_avx512() == 1 else None

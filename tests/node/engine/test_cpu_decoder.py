@@ -1,0 +1,108 @@
+"""The CPU kernels' decoder gives transformers' logits and writes transformers' K/V, for the chunk sizes a
+resumed prompt and decoding give it; models it does not reproduce are left to transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from cache.adapters import ModelStateAdapter
+from cache.state_spec import model_state_specs
+from node.engine import loader
+from node.engine.cpu_decoder import MAX_TOKENS, CpuDecoder
+from node.engine.cpu_kernels import CpuKernels, load_kernels
+from node.engine.cpu_layout import transpose_linear_weights
+from node.engine.loader import load_model
+from node.engine.synthetic import init_model
+
+TOLERANCE = 1e-4
+"""Of the largest |logit|, as the engine's other resume checks."""
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+    built = load_kernels(tmp_path_factory.mktemp("kernels"))
+    if built is None:
+        pytest.skip("this machine has no AVX-512 or no C++ compiler: the engine runs transformers' forward")
+    return built
+
+
+def llama(**overrides: object) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    settings: dict[str, object] = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                       max_position_embeddings=512, initializer_range=0.1)
+    settings.update(overrides)
+    model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
+    transpose_linear_weights(model)  # as the loader leaves a CPU model
+    return model
+
+
+def full_pass(model: LlamaForCausalLM, ids: list[int]) -> tuple[torch.Tensor, DynamicCache]:
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    return logits, cache
+
+
+def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).abs().max()) / max(1.0, float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("variant", [{}, {"attention_bias": True, "mlp_bias": True},
+                                     {"num_key_value_heads": 4, "head_dim": 64}, {"tie_word_embeddings": True},
+                                     {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}])
+def test_chunks_after_a_prefill_match_one_pass(kernels: CpuKernels, variant: dict[str, object]) -> None:
+    model = llama(**variant)
+    decoder = CpuDecoder.build(model, kernels)
+    assert decoder is not None
+    state = ModelStateAdapter(model_state_specs(model.config), model.config)
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (200,), generator=generator).tolist()
+    # A prefill by transformers, then chunks of every kind the decoder takes: torch attention (1, 5),
+    # kernel attention (16, 33, 64), and the decode steps after them.
+    cache, _ = state.new_cache(len(ids))
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids[:80]]), cache=cache, use_cache=True)
+    position = 80
+    for size in (16, 1, 33, 5, MAX_TOKENS, 1):
+        got = decoder.forward(ids[position:position + size], position, cache)
+        position += size
+        expected, reference = full_pass(model, ids[:position])
+        assert relative(got, expected) <= TOLERANCE, (size, relative(got, expected))
+        for mine, theirs in zip(cache.layers, reference.layers, strict=True):
+            assert relative(mine.keys, theirs.keys) <= TOLERANCE and relative(mine.values, theirs.values) <= TOLERANCE
+    assert position == 200
+
+
+def test_decoder_refuses_what_it_does_not_compute(kernels: CpuKernels) -> None:
+    assert CpuDecoder.build(llama(head_dim=24), kernels) is None
+    assert CpuDecoder.build(llama(hidden_act="gelu"), kernels) is None
+    assert CpuDecoder.build(llama(), None) is None
+    torch.manual_seed(0)
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                               sliding_window=8))
+    assert CpuDecoder.build(mistral, kernels) is None
+    assert not CpuDecoder.build(llama(), kernels).takes(MAX_TOKENS + 1)  # type: ignore[union-attr]
+
+
+def test_loader_serves_the_small_model_through_the_decoder_on_one_thread(
+        kernels: CpuKernels, small_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert torch.get_num_threads() == 1  # tests/conftest.py
+    loaded = load_model("small", small_model_dir)
+    assert loaded.decoder is not None and loaded.state is not None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert load_model("small", small_model_dir).decoder is None  # the kernels are single-threaded
+
+
+def test_a_decoder_that_disagrees_with_transformers_is_not_used(
+        kernels: CpuKernels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = init_model("dense", tmp_path / "dense", "small")
+    monkeypatch.setattr(loader.CpuDecoder, "forward", lambda self, ids, start, cache: torch.zeros(32000))
+    loaded = load_model("small", directory)
+    assert loaded.decoder is None and loaded.state is not None

@@ -1,0 +1,123 @@
+"""The CPU kernels against torch's own operators, on the shapes the decoder gives them and on ragged ones."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from node.engine.cpu_kernels import CpuKernels, load_kernels
+
+TOLERANCE = 1e-5
+"""Float32 sums taken in another order: relative to the largest |value| of the reference."""
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+    built = load_kernels(tmp_path_factory.mktemp("kernels"))
+    if built is None:
+        pytest.skip("this machine has no AVX-512 or no C++ compiler: the engine runs transformers' forward")
+    return built
+
+
+def close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    return float((got - expected).abs().max()) <= TOLERANCE * max(1.0, float(expected.abs().max()))
+
+
+def test_a_machine_without_a_compiler_gets_no_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert load_kernels(tmp_path) is None
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_library_is_built_once_per_source(kernels: CpuKernels, tmp_path: Path) -> None:
+    assert load_kernels(tmp_path) is not None
+    built = list(tmp_path.iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"
+    stamp = built[0].stat().st_mtime_ns
+    assert load_kernels(tmp_path) is not None
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize(("rows", "inputs", "outputs"), [(32, 512, 1536), (1, 64, 32000), (13, 100, 45),
+                                                         (64, 48, 16), (65, 32, 33), (7, 1, 1)])
+def test_gemm_matches_matmul(kernels: CpuKernels, rows: int, inputs: int, outputs: int) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + outputs)
+    weight = torch.randn(outputs, inputs, generator=generator)
+    bias = torch.randn(outputs, generator=generator)
+    x = torch.randn(rows, inputs, generator=generator)
+    packed = kernels.pack(weight, bias)
+    out = torch.full((rows, outputs), float("nan"))
+    kernels.gemm(x, packed, out)
+    assert close(out, x @ weight.T + bias)
+    base = torch.randn(rows, outputs, generator=generator)
+    accumulated = base.clone()
+    kernels.gemm(x, packed, accumulated, accumulate=True)
+    assert close(accumulated, base + x @ weight.T + bias)
+
+
+def test_gemm_reads_strided_rows_and_transposed_weights(kernels: CpuKernels) -> None:
+    generator = torch.Generator().manual_seed(1)
+    weight_t = torch.randn(40, 70, generator=generator)  # [in, out], as TransposedLinear holds it
+    wide = torch.randn(9, 100, generator=generator)
+    x = wide[:, 10:50]  # rows 100 floats apart
+    out = torch.zeros(9, 90)[:, 5:75]
+    kernels.gemm(x, kernels.pack(weight_t.t()), out)
+    assert close(out, x @ weight_t)
+
+
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim", "start"),
+                         [(32, 8, 8, 64, 992), (16, 4, 2, 32, 0), (17, 4, 1, 32, 53), (64, 2, 2, 128, 236),
+                          (40, 6, 3, 64, 1)])
+def test_attention_matches_sdpa(kernels: CpuKernels, tokens: int, heads: int, kv_heads: int, head_dim: int,
+                                start: int) -> None:
+    generator = torch.Generator().manual_seed(tokens + start)
+    length, capacity = start + tokens, start + tokens + 9
+    # Keys and values as the working cache holds them: views of longer buffers.
+    key_buffer = torch.randn(1, kv_heads, capacity, head_dim, generator=generator)
+    value_buffer = torch.randn(1, kv_heads, capacity, head_dim, generator=generator)
+    keys, values = key_buffer[:, :, :length], value_buffer[:, :, :length]
+    q = torch.randn(tokens, heads, head_dim, generator=generator) * 3
+    out = torch.full((tokens, heads * head_dim), float("nan"))
+    assert kernels.attention(q, keys, values, start, 1 / math.sqrt(head_dim), out)
+    mask = torch.ones(tokens, length, dtype=torch.bool).tril(start)
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
+                                              enable_gqa=heads != kv_heads)
+    assert close(out, expected[0].transpose(0, 1).reshape(tokens, -1))
+
+
+def test_attention_refuses_shapes_it_does_not_take(kernels: CpuKernels) -> None:
+    keys = torch.randn(1, 2, 20, 16)
+    out = torch.zeros(4, 2 * 16)
+    assert not kernels.attention(torch.randn(4, 2, 16), keys, keys, 16, 0.25, out)  # head_dim 16
+    keys = torch.randn(1, 2, 100, 32)
+    assert not kernels.attention(torch.randn(70, 2, 32), keys, keys, 30, 0.2, torch.zeros(70, 64))  # > 64 queries
+    assert not kernels.attention(torch.randn(4, 2, 32), keys, keys, 50, 0.2, torch.zeros(4, 64))  # length mismatch
+    assert not out.any()
+
+
+def test_rmsnorm_rope_and_silu_match_torch(kernels: CpuKernels) -> None:
+    generator = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(5, 72, generator=generator), torch.randn(72, generator=generator)
+    out = torch.empty(5, 72)
+    kernels.rmsnorm(x, weight, 1e-6, out)
+    assert close(out, weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))
+
+    rows, heads, head_dim = 3, 5, 64
+    x = torch.randn(rows, heads * head_dim + 7, generator=generator)  # a row holds more than the heads
+    angles = torch.randn(rows, head_dim // 2, generator=generator)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    heads_view = x[:, :heads * head_dim].view(rows, heads, head_dim)
+    rotated = torch.cat([-heads_view[..., head_dim // 2:], heads_view[..., :head_dim // 2]], -1)
+    expected, tail = heads_view * cos[:, None] + rotated * sin[:, None], x[:, -7:].clone()
+    kernels.rope(x, heads, head_dim, cos, sin)
+    assert close(x[:, :heads * head_dim].view(rows, heads, head_dim), expected)
+    assert torch.equal(x[:, -7:], tail)
+
+    gate_up = torch.randn(4, 2 * 40, generator=generator) * 30  # large enough to reach exp's clamps
+    out = torch.empty(4, 40)
+    kernels.silu_mul(gate_up, out)
+    assert close(out, F.silu(gate_up[:, :40]) * gate_up[:, 40:])
