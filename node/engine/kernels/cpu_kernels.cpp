@@ -125,11 +125,14 @@ void score_tile(const float* qT, int64_t D, const float* keys, int64_t kv_sl, fl
 
 // O[RT queries, DV*16] = sum_j P[j, t] * V[j, DV*16], P key-major with TP floats a key.
 template <int RT, int DV>
-void value_tile(const float* P, int64_t TP, int64_t L, const float* values, int64_t kv_sl, float* O, int64_t o_st) {
+void value_tile(const float* P, int64_t TP, int64_t L, const float* values, int64_t kv_sl, float* O, int64_t o_st,
+                const float* ahead) {
   __m512 acc[RT][DV];
   for (int r = 0; r < RT; r++)
     for (int v = 0; v < DV; v++) acc[r][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < L; j++) {
+    if (ahead)
+      for (int v = 0; v < DV; v++) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * kv_sl + v * 16), _MM_HINT_T1);
     __m512 vv[DV];
     for (int v = 0; v < DV; v++) vv[v] = _mm512_loadu_ps(values + j * kv_sl + v * 16);
     for (int r = 0; r < RT; r++) {
@@ -142,6 +145,7 @@ void value_tile(const float* P, int64_t TP, int64_t L, const float* values, int6
 }
 
 constexpr int KEY_TILE = 12;
+constexpr int64_t KEYS_AHEAD = 48;  // keys prefetched ahead of the score tile (prefetches past the end are harmless)
 using score_fn = void (*)(const float*, int64_t, const float*, int64_t, float*, __m512*);
 const score_fn SCORE_FULL[5] = {nullptr, score_tile<KEY_TILE, 1>, score_tile<KEY_TILE, 2>, score_tile<8, 3>,
                                 score_tile<6, 4>};
@@ -150,11 +154,12 @@ const score_fn SCORE_ONE[5] = {nullptr, score_tile<1, 1>, score_tile<1, 2>, scor
 
 template <int DV>
 void values_for_head(const float* P, int64_t TP, int64_t T, int64_t L, const float* values, int64_t kv_sl, float* O,
-                     int64_t o_st) {
+                     int64_t o_st, const float* ahead) {
   constexpr int RT = 24 / DV;
   int64_t t = 0;
-  for (; t + RT <= T; t += RT) value_tile<RT, DV>(P + t, TP, L, values, kv_sl, O + t * o_st, o_st);
-  for (; t < T; t++) value_tile<1, DV>(P + t, TP, L, values, kv_sl, O + t * o_st, o_st);
+  for (; t + RT <= T; t += RT)
+    value_tile<RT, DV>(P + t, TP, L, values, kv_sl, O + t * o_st, o_st, t == 0 ? ahead : nullptr);
+  for (; t < T; t++) value_tile<1, DV>(P + t, TP, L, values, kv_sl, O + t * o_st, o_st, t == 0 ? ahead : nullptr);
 }
 
 }  // namespace
@@ -231,7 +236,15 @@ int tz_attention(const float* q, int64_t T, int64_t H, int64_t Hkv, int64_t D, i
     for (int v = 0; v < TV; v++) { mx[v] = _mm512_set1_ps(-__builtin_inff()); sum[v] = _mm512_setzero_ps(); }
     const int rows = SCORE_ROWS[TV];
     int64_t j = 0;
-    for (; j + rows <= start + 1; j += rows) SCORE_FULL[TV](qT, D, keys + j * kv_sl, kv_sl, S + j * TP, mx);
+    for (; j + rows <= start + 1; j += rows) {
+      // This head's values are read next, after the softmax: bring this tile's rows into L2 now.
+      for (int64_t r = j; r < j + rows; r++)
+        for (int64_t d = 0; d < D; d += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(values + r * kv_sl + d), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(keys + (r + KEYS_AHEAD) * kv_sl + d), _MM_HINT_T0);
+        }
+      SCORE_FULL[TV](qT, D, keys + j * kv_sl, kv_sl, S + j * TP, mx);
+    }
     __m512 ignored[4];
     for (; j < L; j++) {
       SCORE_ONE[TV](qT, D, keys + j * kv_sl, kv_sl, S + j * TP, ignored);
@@ -247,9 +260,11 @@ int tz_attention(const float* q, int64_t T, int64_t H, int64_t Hkv, int64_t D, i
     float inv[64];
     for (int v = 0; v < TV; v++) _mm512_storeu_ps(inv + v * 16, _mm512_div_ps(_mm512_set1_ps(1.0f), sum[v]));
     float* o = out + h * D;
-    if (D == 64) values_for_head<4>(S, TP, T, L, values, kv_sl, o, o_st);
-    else if (D == 128) values_for_head<8>(S, TP, T, L, values, kv_sl, o, o_st);
-    else values_for_head<2>(S, TP, T, L, values, kv_sl, o, o_st);
+    // While the values are summed, the next key head streams into L2 (one 64-byte line per key and 16 dims).
+    const float* next_keys = (h + 1) % group == 0 && h + 1 < H ? K + ((h + 1) / group) * kv_sh : nullptr;
+    if (D == 64) values_for_head<4>(S, TP, T, L, values, kv_sl, o, o_st, next_keys);
+    else if (D == 128) values_for_head<8>(S, TP, T, L, values, kv_sl, o, o_st, next_keys);
+    else values_for_head<2>(S, TP, T, L, values, kv_sl, o, o_st, next_keys);
     for (int64_t t = 0; t < T; t++)
       for (int64_t d = 0; d < D; d += 16)
         _mm512_storeu_ps(o + t * o_st + d, _mm512_mul_ps(_mm512_loadu_ps(o + t * o_st + d), _mm512_set1_ps(inv[t])));
