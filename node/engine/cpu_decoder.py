@@ -132,12 +132,13 @@ class CpuDecoder:
                 return False
         return True
 
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, out: torch.Tensor
-                   ) -> None:
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, out: torch.Tensor,
+                   then: PackedWeight) -> None:
         """q `[T, heads, head_dim]` at positions `start..`, keys/values `[1, kv_heads, start + T, head_dim]`
         -> out `[T, heads * head_dim]`."""
         tokens = q.shape[0]
-        if tokens >= KERNEL_ATTENTION_MIN_QUERIES and self._kernels.attention(q, keys, values, start, self.scale, out):
+        if (tokens >= KERNEL_ATTENTION_MIN_QUERIES
+                and self._kernels.attention(q, keys, values, start, self.scale, out, then)):
             return
         mask = None if tokens == 1 else torch.ones(tokens, start + tokens, dtype=torch.bool).tril(start)
         result = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
@@ -160,6 +161,8 @@ class CpuDecoder:
         attended = torch.empty(tokens, q_width)
         gate_up = torch.empty(tokens, 2 * self.intermediate)
         activated = torch.empty(tokens, self.intermediate)
+        # Each kernel prefetches the start of the weight that follows it (`then`).
+        following = [layer.qkv for layer in self._layers[1:]] + [self._head]
         for index, layer in enumerate(self._layers):
             kernels.rmsnorm(hidden, layer.input_norm, self.eps, normed)
             kernels.gemm(normed, layer.qkv, qkv)
@@ -172,14 +175,14 @@ class CpuDecoder:
                 # Only the last row reaches the logits.
                 hidden, queries, attended, normed = hidden[-1:], queries[-1:], attended[-1:], normed[-1:]
                 gate_up, activated = gate_up[-1:], activated[-1:]
-                self._attention(queries, keys, values, start + tokens - 1, attended)
+                self._attention(queries, keys, values, start + tokens - 1, attended, layer.output)
             else:
-                self._attention(queries, keys, values, start, attended)
-            kernels.gemm(attended, layer.output, hidden, accumulate=True)
+                self._attention(queries, keys, values, start, attended, layer.output)
+            kernels.gemm(attended, layer.output, hidden, accumulate=True, then=layer.gate_up)
             kernels.rmsnorm(hidden, layer.post_norm, self.eps, normed)
-            kernels.gemm(normed, layer.gate_up, gate_up)
+            kernels.gemm(normed, layer.gate_up, gate_up, then=layer.down)
             kernels.silu_mul(gate_up, activated)
-            kernels.gemm(activated, layer.down, hidden, accumulate=True)
+            kernels.gemm(activated, layer.down, hidden, accumulate=True, then=following[index])
         last = torch.empty(1, self.hidden)
         kernels.rmsnorm(hidden[-1:], self._final_norm, self.final_eps, last)
         logits = torch.empty(1, self._head.out_features)

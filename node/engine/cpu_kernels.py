@@ -35,9 +35,9 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "tz_has_avx512": ([], ctypes.c_int),
     "tz_packed_floats": ([_i64, _i64], _i64),
     "tz_pack": ([_ptr, _i64, _i64, _i64, _i64, _ptr], None),
-    "tz_gemm": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int], None),
-    "tz_attention": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _ptr, _i64],
-                     ctypes.c_int),
+    "tz_gemm": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int, _ptr], None),
+    "tz_attention": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _ptr, _i64,
+                      _ptr], ctypes.c_int),
     "tz_rmsnorm": ([_ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64], None),
     "tz_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
     "tz_silu_mul": ([_ptr, _i64, _i64, _ptr], None),
@@ -88,19 +88,23 @@ class CpuKernels:
         packed_bias = None if bias is None else bias.detach().float().contiguous()
         return PackedWeight(data, in_features, out_features, packed_bias)
 
-    def gemm(self, x: torch.Tensor, weight: PackedWeight, out: torch.Tensor, accumulate: bool = False) -> None:
-        """`out[M, out] (+)= x[M, in] @ weight.T + bias`; rows of x and out may be strided."""
+    def gemm(self, x: torch.Tensor, weight: PackedWeight, out: torch.Tensor, accumulate: bool = False,
+             then: PackedWeight | None = None) -> None:
+        """`out[M, out] (+)= x[M, in] @ weight.T + bias`; rows of x and out may be strided. `then`, the weight
+        the caller multiplies by next, has its first panel prefetched meanwhile."""
         assert _contiguous_rows(x) and _contiguous_rows(out) and x.shape[1] == weight.in_features
         assert out.shape == (x.shape[0], weight.out_features)
         bias = weight.bias.data_ptr() if weight.bias is not None else None
         self._lib.tz_gemm(x.data_ptr(), x.shape[0], weight.in_features, x.stride(0), weight.data.data_ptr(),
-                          weight.out_features, out.data_ptr(), out.stride(0), bias, int(accumulate))
+                          weight.out_features, out.data_ptr(), out.stride(0), bias, int(accumulate),
+                          None if then is None else then.data.data_ptr())
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
-                  out: torch.Tensor) -> bool:
+                  out: torch.Tensor, then: PackedWeight | None = None) -> bool:
         """Causal attention of q `[T, heads, head_dim]` at positions `start..start+T-1` over keys and values
         `[1, kv_heads, start+T, head_dim]` into out `[T, heads * head_dim]`; False when the shape is not
-        one the kernel takes (then nothing was written)."""
+        one the kernel takes (then nothing was written). `then`, the weight read next, starts streaming in
+        during the last head."""
         tokens, heads, head_dim = q.shape
         kv_heads, length = keys.shape[1], keys.shape[2]
         if (keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != head_dim
@@ -108,7 +112,8 @@ class CpuKernels:
             return False
         status = self._lib.tz_attention(q.data_ptr(), tokens, heads, kv_heads, head_dim, q.stride(0),
                                         keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.stride(2), length,
-                                        start, scale, out.data_ptr(), out.stride(0))
+                                        start, scale, out.data_ptr(), out.stride(0),
+                                        None if then is None else then.data.data_ptr())
         return bool(status == 0)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:

@@ -6,7 +6,8 @@
 // and each GEMM prefetches the next panel while it computes on this one. Attention of a few queries
 // over a long cached history runs queries across the vector lanes, so keys stream once per head.
 //
-// Layouts are written next to each function; every pointer is float32, every stride in elements.
+// Layouts are written next to each function; every pointer is float32, every stride in elements. Prefetches
+// never fault, so a prefetch past the end of a buffer is harmless.
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -74,11 +75,15 @@ void gemm_tile(const float* At, const float* panel, int64_t K, float* C, int64_t
     c0[r] = accumulate ? _mm512_maskz_loadu_ps(m0, C + r * ldc) : _mm512_setzero_ps();
     c1[r] = accumulate ? _mm512_maskz_loadu_ps(m1, C + r * ldc + 16) : _mm512_setzero_ps();
   }
+  int phase = nt - ti;  // counts down to the rows of `next` this tile prefetches: every nt-th from ti
   for (int64_t k = 0; k < K; k++) {
     __m512 b0 = _mm512_load_ps(panel + k * NR), b1 = _mm512_load_ps(panel + k * NR + 16);
-    if (next && k % nt == ti) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * NR), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * NR + 16), _MM_HINT_T1);
+    if (--phase == 0) {
+      phase = nt;
+      if (next) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + k * NR), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(next + k * NR + 16), _MM_HINT_T1);
+      }
     }
     const float* a = At + k * MR;
     for (int r = 0; r < R; r++) {
@@ -123,14 +128,15 @@ void score_tile(const float* qT, int64_t D, const float* keys, int64_t kv_sl, fl
     }
 }
 
-// O[RT queries, DV*16] = sum_j P[j, t] * V[j, DV*16], P key-major with TP floats a key.
+// O[RT queries, DV*16] (=|+=) sum_j P[j, t] * V[j, DV*16] over keys [j0, j1), P key-major with TP floats a
+// key. While it runs, `ahead` rows j of another [L, D] block are prefetched into L2.
 template <int RT, int DV>
-void value_tile(const float* P, int64_t TP, int64_t L, const float* values, int64_t kv_sl, float* O, int64_t o_st,
-                const float* ahead) {
+void value_tile(const float* P, int64_t TP, int64_t j0, int64_t j1, const float* values, int64_t kv_sl, float* O,
+                int64_t o_st, bool first, const float* ahead) {
   __m512 acc[RT][DV];
   for (int r = 0; r < RT; r++)
-    for (int v = 0; v < DV; v++) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < L; j++) {
+    for (int v = 0; v < DV; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(O + r * o_st + v * 16);
+  for (int64_t j = j0; j < j1; j++) {
     if (ahead)
       for (int v = 0; v < DV; v++) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * kv_sl + v * 16), _MM_HINT_T1);
     __m512 vv[DV];
@@ -152,14 +158,20 @@ const score_fn SCORE_FULL[5] = {nullptr, score_tile<KEY_TILE, 1>, score_tile<KEY
 const int SCORE_ROWS[5] = {0, KEY_TILE, KEY_TILE, 8, 6};
 const score_fn SCORE_ONE[5] = {nullptr, score_tile<1, 1>, score_tile<1, 2>, score_tile<1, 3>, score_tile<1, 4>};
 
+constexpr int64_t VALUE_BLOCK = 64;  // keys whose values and weights stay in L1 across the query tiles
+
 template <int DV>
 void values_for_head(const float* P, int64_t TP, int64_t T, int64_t L, const float* values, int64_t kv_sl, float* O,
                      int64_t o_st, const float* ahead) {
   constexpr int RT = 24 / DV;
-  int64_t t = 0;
-  for (; t + RT <= T; t += RT)
-    value_tile<RT, DV>(P + t, TP, L, values, kv_sl, O + t * o_st, o_st, t == 0 ? ahead : nullptr);
-  for (; t < T; t++) value_tile<1, DV>(P + t, TP, L, values, kv_sl, O + t * o_st, o_st, t == 0 ? ahead : nullptr);
+  for (int64_t j0 = 0; j0 < L; j0 += VALUE_BLOCK) {
+    const int64_t j1 = j0 + VALUE_BLOCK < L ? j0 + VALUE_BLOCK : L;
+    int64_t t = 0;
+    for (; t + RT <= T; t += RT)
+      value_tile<RT, DV>(P + t, TP, j0, j1, values, kv_sl, O + t * o_st, o_st, j0 == 0, t == 0 ? ahead : nullptr);
+    for (; t < T; t++)
+      value_tile<1, DV>(P + t, TP, j0, j1, values, kv_sl, O + t * o_st, o_st, j0 == 0, t == 0 ? ahead : nullptr);
+  }
 }
 
 }  // namespace
@@ -185,19 +197,21 @@ void tz_pack(const float* W, int64_t K, int64_t N, int64_t stride_n, int64_t str
 }
 
 // C[M, N] = A[M, K] . B + bias (or C += when accumulate), B packed by tz_pack. Rows of A and C are lda
-// and ldc apart; bias may be null.
+// and ldc apart; bias may be null. `then` (may be null) is what the caller reads next: its first K * 32
+// floats are prefetched during the last panel, so the next kernel does not start on cold memory.
 void tz_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const float* packed, int64_t N, float* C,
-             int64_t ldc, const float* bias, int accumulate) {
+             int64_t ldc, const float* bias, int accumulate, const float* then) {
   float* At = scratch(K * MR);
   const int64_t panels = (N + NR - 1) / NR;
   for (int64_t m0 = 0; m0 < M; m0 += MR) {
     const int64_t rows = M - m0 < MR ? M - m0 : MR;
-    for (int64_t i = 0; i < rows; i++)
-      for (int64_t k = 0; k < K; k++) At[k * MR + i] = A[(m0 + i) * lda + k];
+    // k outer: the writes run along At's rows and each row of A stays in L1 for 16 steps of k.
+    for (int64_t k = 0; k < K; k++)
+      for (int64_t i = 0; i < rows; i++) At[k * MR + i] = A[(m0 + i) * lda + k];
     const int nt = static_cast<int>((rows + MAX_TILE - 1) / MAX_TILE);
     for (int64_t p = 0; p < panels; p++) {
       const float* panel = packed + p * K * NR;
-      const float* next = p + 1 < panels ? panel + K * NR : nullptr;
+      const float* next = p + 1 < panels ? panel + K * NR : (m0 + MR >= M ? then : nullptr);
       const int64_t n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
       const __mmask16 m0mask = lanes(width), m1mask = width > 16 ? lanes(width - 16) : 0;
       int64_t i = 0;
@@ -214,10 +228,11 @@ void tz_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const float* pac
 // Causal attention of T queries at positions start..start+T-1 over keys 0..L-1 (L = start + T), for H
 // query heads sharing Hkv key/value heads (grouped-query attention), head dim D (a multiple of 16).
 // q[t, h, d] at q + t * q_st + h * D + d; K and V [Hkv, L, D] at + g * kv_sh + j * kv_sl + d;
-// out[t, h, d] at out + t * o_st + h * D + d. T at most 64; D one of 32, 64, 128 (else returns -1).
+// out[t, h, d] at out + t * o_st + h * D + d. T at most 64; D one of 32, 64, 128 (else returns -1). `then`
+// (may be null) is what the caller reads next: its first L * kv_sl floats are prefetched during the last head.
 int tz_attention(const float* q, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t q_st, const float* K,
-                  const float* V, int64_t kv_sh, int64_t kv_sl, int64_t L, int64_t start, float scale, float* out,
-                  int64_t o_st) {
+                 const float* V, int64_t kv_sh, int64_t kv_sl, int64_t L, int64_t start, float scale, float* out,
+                 int64_t o_st, const float* then) {
   if ((D != 32 && D != 64 && D != 128) || T < 1 || T > 64) return -1;
   FlushDenormals flush;
   const int TV = static_cast<int>((T + 15) / 16);
@@ -261,7 +276,7 @@ int tz_attention(const float* q, int64_t T, int64_t H, int64_t Hkv, int64_t D, i
     for (int v = 0; v < TV; v++) _mm512_storeu_ps(inv + v * 16, _mm512_div_ps(_mm512_set1_ps(1.0f), sum[v]));
     float* o = out + h * D;
     // While the values are summed, the next key head streams into L2 (one 64-byte line per key and 16 dims).
-    const float* next_keys = (h + 1) % group == 0 && h + 1 < H ? K + ((h + 1) / group) * kv_sh : nullptr;
+    const float* next_keys = h + 1 == H ? then : (h + 1) % group == 0 ? K + ((h + 1) / group) * kv_sh : nullptr;
     if (D == 64) values_for_head<4>(S, TP, T, L, values, kv_sl, o, o_st, next_keys);
     else if (D == 128) values_for_head<8>(S, TP, T, L, values, kv_sl, o, o_st, next_keys);
     else values_for_head<2>(S, TP, T, L, values, kv_sl, o, o_st, next_keys);
