@@ -108,12 +108,21 @@ const gemm_tile_fn GEMM_TILES[MAX_TILE + 1] = {
 
 // S[j, TV*16] = sum_d K[j, d] * qT[d, TV*16] for R keys from `keys` (row stride kv_sl); mx takes the
 // running maximum per query lane.
+// The same rows of `upcoming_keys` (to L1) and `values` (to L2) are prefetched a line per step of d, so
+// the requests trickle out with the arithmetic instead of queueing in a burst (R * D / 16 <= D lines).
 template <int R, int TV>
-void score_tile(const float* qT, int64_t D, const float* keys, int64_t kv_sl, float* S, __m512* mx) {
+void score_tile(const float* qT, int64_t D, const float* keys, int64_t kv_sl, float* S, __m512* mx,
+                const float* upcoming_keys, const float* values) {
   __m512 acc[R][TV];
   for (int r = 0; r < R; r++)
     for (int v = 0; v < TV; v++) acc[r][v] = _mm512_setzero_ps();
+  const int64_t lines_per_row = D / 16, prefetched = upcoming_keys ? R * lines_per_row : 0;
   for (int64_t d = 0; d < D; d++) {
+    if (d < prefetched) {
+      const int64_t offset = (d / lines_per_row) * kv_sl + (d % lines_per_row) * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(upcoming_keys + offset), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(values + offset), _MM_HINT_T1);
+    }
     __m512 qv[TV];
     for (int v = 0; v < TV; v++) qv[v] = _mm512_load_ps(qT + d * TV * 16 + v * 16);
     for (int r = 0; r < R; r++) {
@@ -152,7 +161,7 @@ void value_tile(const float* P, int64_t TP, int64_t j0, int64_t j1, const float*
 
 constexpr int KEY_TILE = 12;
 constexpr int64_t KEYS_AHEAD = 48;  // keys prefetched ahead of the score tile (prefetches past the end are harmless)
-using score_fn = void (*)(const float*, int64_t, const float*, int64_t, float*, __m512*);
+using score_fn = void (*)(const float*, int64_t, const float*, int64_t, float*, __m512*, const float*, const float*);
 const score_fn SCORE_FULL[5] = {nullptr, score_tile<KEY_TILE, 1>, score_tile<KEY_TILE, 2>, score_tile<8, 3>,
                                 score_tile<6, 4>};
 const int SCORE_ROWS[5] = {0, KEY_TILE, KEY_TILE, 8, 6};
@@ -251,18 +260,13 @@ int tz_attention(const float* q, int64_t T, int64_t H, int64_t Hkv, int64_t D, i
     for (int v = 0; v < TV; v++) { mx[v] = _mm512_set1_ps(-__builtin_inff()); sum[v] = _mm512_setzero_ps(); }
     const int rows = SCORE_ROWS[TV];
     int64_t j = 0;
-    for (; j + rows <= start + 1; j += rows) {
-      // This head's values are read next, after the softmax: bring this tile's rows into L2 now.
-      for (int64_t r = j; r < j + rows; r++)
-        for (int64_t d = 0; d < D; d += 16) {
-          _mm_prefetch(reinterpret_cast<const char*>(values + r * kv_sl + d), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(keys + (r + KEYS_AHEAD) * kv_sl + d), _MM_HINT_T0);
-        }
-      SCORE_FULL[TV](qT, D, keys + j * kv_sl, kv_sl, S + j * TP, mx);
-    }
+    // Keys KEYS_AHEAD ahead go to L1; this head's values, read after the softmax, to L2.
+    for (; j + rows <= start + 1; j += rows)
+      SCORE_FULL[TV](qT, D, keys + j * kv_sl, kv_sl, S + j * TP, mx, keys + (j + KEYS_AHEAD) * kv_sl,
+                     values + j * kv_sl);
     __m512 ignored[4];
     for (; j < L; j++) {
-      SCORE_ONE[TV](qT, D, keys + j * kv_sl, kv_sl, S + j * TP, ignored);
+      SCORE_ONE[TV](qT, D, keys + j * kv_sl, kv_sl, S + j * TP, ignored, nullptr, nullptr);
       for (int64_t t = 0; t < j - start && t < TP; t++) S[j * TP + t] = -__builtin_inff();  // query t sees j <= start + t
       for (int v = 0; v < TV; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_load_ps(S + j * TP + v * 16));
     }
