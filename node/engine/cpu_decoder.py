@@ -145,10 +145,20 @@ class CpuDecoder:
                                                 scale=self.scale, enable_gqa=self.heads != self.kv_heads)
         out.copy_(result[0].transpose(0, 1).reshape(tokens, -1))
 
-    @torch.inference_mode()
     def forward(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
         """Run `ids` at positions `[start, start + len)`, writing their K/V into `cache`; returns the last
         position's logits `[vocab]`."""
+        logits = self._run(ids, start, cache, want_logits=True)
+        assert logits is not None
+        return logits
+
+    def extend(self, ids: list[int], start: int, cache: DynamicCache) -> None:
+        """Write the K/V of `ids` into `cache` and nothing else: the last layer's attention, MLP and the
+        output head feed only logits, so they are skipped (the head alone reads 65 MB on the default model)."""
+        self._run(ids, start, cache, want_logits=False)
+
+    @torch.inference_mode()
+    def _run(self, ids: list[int], start: int, cache: DynamicCache, want_logits: bool) -> torch.Tensor | None:
         kernels, tokens = self._kernels, len(ids)
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
@@ -171,6 +181,8 @@ class CpuDecoder:
             new_values = qkv[:, q_width + kv_width:].view(tokens, kv_heads, head_dim).transpose(0, 1)
             keys, values = cache.update(new_keys.unsqueeze(0), new_values.unsqueeze(0), index)
             queries = qkv[:, :q_width].view(tokens, heads, head_dim)
+            if index == len(self._layers) - 1 and not want_logits:
+                return None
             if index == len(self._layers) - 1 and tokens > 1:
                 # Only the last row reaches the logits.
                 hidden, queries, attended, normed = hidden[-1:], queries[-1:], attended[-1:], normed[-1:]

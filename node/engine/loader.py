@@ -55,6 +55,13 @@ class LoadedModel:
         out = self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
 
+    def extend(self, ids: list[int], start: int, cache: DynamicCache) -> None:
+        """Run `ids` into `cache` when no logits are wanted (the reply's last token, fed for its state)."""
+        if self.decoder is not None and self.decoder.takes(len(ids)):
+            self.decoder.extend(ids, start, cache)
+        else:
+            self.forward(ids, start, cache)
+
 
 def resolve_model_dir(spec: str, home: Path) -> tuple[str, Path]:
     """(model id, directory) for `--model default|ARCH|DIR`.

@@ -180,7 +180,7 @@ class Runner:
         fed = prompt + output
         if output and self.prefix_cache is not None:
             # The last token was sampled but not yet run: run it so the stored state ends with the reply.
-            self._forward([output[-1]], len(fed) - 1, cache)
+            self.loaded.extend([output[-1]], len(fed) - 1, cache)
             if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:
                 snapshots[len(fed)] = self.loaded.state.snapshot(cache)
         stored = self._store(request.scope, fed, cache, snapshots)

@@ -79,6 +79,22 @@ def test_chunks_after_a_prefill_match_one_pass(kernels: CpuKernels, variant: dic
     assert position == 200
 
 
+def test_extend_writes_the_state_forward_would(kernels: CpuKernels) -> None:
+    model = llama()
+    decoder = CpuDecoder.build(model, kernels)
+    assert decoder is not None
+    ids = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    cache = DynamicCache(config=model.config)
+    decoder.forward(ids[:40], 0, cache)
+    decoder.extend(ids[40:41], 40, cache)  # a reply's last token, fed only for its state
+    decoder.extend(ids[41:58], 41, cache)
+    got = decoder.forward(ids[58:], 58, cache)
+    expected, reference = full_pass(model, ids)
+    assert relative(got, expected) <= TOLERANCE
+    for mine, theirs in zip(cache.layers, reference.layers, strict=True):
+        assert relative(mine.keys, theirs.keys) <= TOLERANCE and relative(mine.values, theirs.values) <= TOLERANCE
+
+
 def test_decoder_refuses_what_it_does_not_compute(kernels: CpuKernels) -> None:
     assert CpuDecoder.build(llama(head_dim=24), kernels) is None
     assert CpuDecoder.build(llama(hidden_act="gelu"), kernels) is None
