@@ -59,10 +59,18 @@ Piece = KVPiece | RecurrentPiece
 
 class FullAttentionAdapter:
     def span(self, layer: Any, start: int, end: int) -> KVPiece:
+        if isinstance(layer, GrowableKVLayer):
+            layer.materialize()
         return KVPiece(layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone())
 
     def restore_span(self, layer: Any, piece: KVPiece, start: int, end: int) -> None:
-        layer.update(piece.keys[:, :, start:end], piece.values[:, :, start:end])
+        """Pooled working layers take the stored piece by reference (stored pieces never change); the copy
+        happens only if the forward needs the history as one tensor."""
+        keys, values = piece.keys[:, :, start:end], piece.values[:, :, start:end]
+        if isinstance(layer, GrowableKVLayer):
+            layer.defer(keys, values)
+        else:
+            layer.update(keys, values)
 
     def snapshot(self, layer: Any) -> None:
         return None
@@ -194,6 +202,12 @@ class ModelStateAdapter:
             for components, layer, pieces in zip(self._components, cache.layers, snapshot, strict=True):
                 for (_, adapter), piece in zip(components, pieces, strict=True):
                     adapter.restore_snapshot(layer, piece, position)
+
+    def materialize(self, cache: DynamicCache) -> None:
+        """Copy restored pieces held by reference into the working buffers (see `GrowableKVLayer.defer`)."""
+        for layer in cache.layers:
+            if isinstance(layer, GrowableKVLayer):
+                layer.materialize()
 
     def split(self, state: SpanState, offset: int) -> tuple[SpanState, SpanState]:
         """Cut a span; clones, so that evicting one half frees its bytes (views would keep all alive)."""

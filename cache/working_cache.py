@@ -47,6 +47,11 @@ class GrowableKVLayer(DynamicLayer):
 
     `keys`/`values` are views `[batch, kv_heads, seq, head_dim]` of buffers holding `capacity` tokens, so
     transformers' length and mask logic see the ordinary shapes. Growing past the capacity doubles it.
+
+    Restored K/V can be appended by reference (`defer`): their positions are reserved but the copy into the
+    buffer waits until something reads the buffer as one tensor (`update`, `materialize`). A resumed forward
+    that reads the pieces where they lie (`segments`) thus starts without copying the whole prefix, which
+    is a memcpy of tens of megabytes on its time to first token.
     """
 
     def __init__(self, capacity: int, pool: BufferPool | None = None, slot: int = 0) -> None:
@@ -56,9 +61,55 @@ class GrowableKVLayer(DynamicLayer):
         self._slot = slot
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        """(position, keys, values) appended by reference, in position order; immutable stored pieces."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.materialize()
+        self.append(key_states, value_states)
+        assert self.keys is not None and self.values is not None
+        return self.keys, self.values
+
+    def defer(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append `keys`/`values` `[batch, kv_heads, n, head_dim]` by reference; they must not change."""
+        start = self._reserve(keys, values)
+        self._pending.append((start, keys, values))
+
+    def materialize(self) -> None:
+        """Copy the pieces appended by reference into the buffer."""
+        for position, keys, values in self._pending:
+            assert self._key_buffer is not None and self._value_buffer is not None
+            self._key_buffer[:, :, position:position + keys.shape[-2]].copy_(keys)
+            self._value_buffer[:, :, position:position + values.shape[-2]].copy_(values)
+        self._pending.clear()
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Write new K/V after the current length, leaving pieces appended by reference where they are;
+        returns `segments()`."""
+        start = self._reserve(key_states, value_states)
+        assert self._key_buffer is not None and self._value_buffer is not None
+        end = start + key_states.shape[-2]
+        self._key_buffer[:, :, start:end].copy_(key_states)
+        self._value_buffer[:, :, start:end].copy_(value_states)
+        return self.segments()
+
+    def segments(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys, values) pieces covering positions `[0, length)` in order: buffer views and pieces held by
+        reference."""
+        assert self._key_buffer is not None and self._value_buffer is not None and self.keys is not None
+        pieces, position, end = [], 0, self.keys.shape[-2]
+        for start, keys, values in self._pending:
+            if start > position:
+                pieces.append((self._key_buffer[:, :, position:start], self._value_buffer[:, :, position:start]))
+            pieces.append((keys, values))
+            position = start + keys.shape[-2]
+        if position < end:
+            pieces.append((self._key_buffer[:, :, position:end], self._value_buffer[:, :, position:end]))
+        return pieces
+
+    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
+        """Make room for `key_states`' tokens after the current length; returns where they start."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start = self.get_seq_length()
@@ -67,11 +118,9 @@ class GrowableKVLayer(DynamicLayer):
             grown = max(end, 2 * self.capacity) if self._key_buffer is not None else max(end, self.capacity)
             self._grow(key_states, value_states, grown, start)
         assert self._key_buffer is not None and self._value_buffer is not None
-        self._key_buffer[:, :, start:end].copy_(key_states)
-        self._value_buffer[:, :, start:end].copy_(value_states)
         self.keys = self._key_buffer[:, :, :end]
         self.values = self._value_buffer[:, :, :end]
-        return self.keys, self.values
+        return start
 
     def adopt(self, length: int) -> bool:
         """Start from the first `length` tokens the pool's buffers hold from the previous request.

@@ -20,13 +20,15 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, LlamaForCausalLM
 
+from cache.working_cache import GrowableKVLayer
 from node.engine.cpu_kernels import CpuKernels, PackedWeight
 
 MAX_TOKENS = 64
 """Longest chunk this forward takes; longer chunks are cold prefill, run by transformers."""
 KERNEL_ATTENTION_MIN_QUERIES = 16
 """Below this many queries a lane-per-query kernel wastes most lanes; torch's SDPA is faster (measured:
-1 query over 2k keys 0.37 versus 0.64 ms, 17 queries over 70 keys 0.036 versus 0.014 ms)."""
+1 query over 2k keys 0.37 versus 0.64 ms, 17 queries over 70 keys 0.036 versus 0.014 ms) once the
+history is one tensor. Over restored pieces the kernel still runs: joining them first costs more."""
 HEAD_DIMS = (32, 64, 128)
 AGREEMENT = 1e-4
 """Largest |difference| from transformers' logits, relative to the largest |logit|: float32 sums in
@@ -132,14 +134,18 @@ class CpuDecoder:
                 return False
         return True
 
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, out: torch.Tensor,
-                   then: PackedWeight) -> None:
-        """q `[T, heads, head_dim]` at positions `start..`, keys/values `[1, kv_heads, start + T, head_dim]`
-        -> out `[T, heads * head_dim]`."""
+    def _attention(self, q: torch.Tensor, layer: Any, segments: list[tuple[torch.Tensor, torch.Tensor]], start: int,
+                   out: torch.Tensor, then: PackedWeight) -> None:
+        """q `[T, heads, head_dim]` at positions `start..` over the layer's K/V `segments` (pieces
+        `[1, kv_heads, n, head_dim]` in position order) -> out `[T, heads * head_dim]`."""
         tokens = q.shape[0]
-        if (tokens >= KERNEL_ATTENTION_MIN_QUERIES
-                and self._kernels.attention(q, keys, values, start, self.scale, out, then)):
+        if ((tokens >= KERNEL_ATTENTION_MIN_QUERIES or len(segments) > 1)
+                and self._kernels.attention(q, segments, start, self.scale, out, then)):
             return
+        if len(segments) > 1:  # torch needs the history as one tensor: copy the restored pieces in now
+            layer.materialize()
+            segments = layer.segments()
+        keys, values = segments[0]
         mask = None if tokens == 1 else torch.ones(tokens, start + tokens, dtype=torch.bool).tril(start)
         result = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
                                                 scale=self.scale, enable_gqa=self.heads != self.kv_heads)
@@ -179,7 +185,11 @@ class CpuDecoder:
             kernels.rope(qkv, heads + kv_heads, head_dim, cos, sin)
             new_keys = qkv[:, q_width:q_width + kv_width].view(tokens, kv_heads, head_dim).transpose(0, 1)
             new_values = qkv[:, q_width + kv_width:].view(tokens, kv_heads, head_dim).transpose(0, 1)
-            keys, values = cache.update(new_keys.unsqueeze(0), new_values.unsqueeze(0), index)
+            layer_cache = cache.layers[index]
+            if isinstance(layer_cache, GrowableKVLayer):  # restored pieces are read where they lie
+                segments = layer_cache.append(new_keys.unsqueeze(0), new_values.unsqueeze(0))
+            else:
+                segments = [cache.update(new_keys.unsqueeze(0), new_values.unsqueeze(0), index)]
             queries = qkv[:, :q_width].view(tokens, heads, head_dim)
             if index == len(self._layers) - 1 and not want_logits:
                 return None
@@ -187,9 +197,9 @@ class CpuDecoder:
                 # Only the last row reaches the logits.
                 hidden, queries, attended, normed = hidden[-1:], queries[-1:], attended[-1:], normed[-1:]
                 gate_up, activated = gate_up[-1:], activated[-1:]
-                self._attention(queries, keys, values, start + tokens - 1, attended, layer.output)
+                self._attention(queries, layer_cache, segments, start + tokens - 1, attended, layer.output)
             else:
-                self._attention(queries, keys, values, start, attended, layer.output)
+                self._attention(queries, layer_cache, segments, start, attended, layer.output)
             kernels.gemm(attended, layer.output, hidden, accumulate=True, then=layer.gate_up)
             kernels.rmsnorm(hidden, layer.post_norm, self.eps, normed)
             kernels.gemm(normed, layer.gate_up, gate_up, then=layer.down)

@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +37,8 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "tz_packed_floats": ([_i64, _i64], _i64),
     "tz_pack": ([_ptr, _i64, _i64, _i64, _i64, _ptr], None),
     "tz_gemm": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int, _ptr], None),
-    "tz_attention": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _ptr, _i64,
-                      _ptr], ctypes.c_int),
+    "tz_attention": ([_ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _f32, _ptr,
+                      _i64, _ptr], ctypes.c_int),
     "tz_rmsnorm": ([_ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64], None),
     "tz_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
     "tz_silu_mul": ([_ptr, _i64, _i64, _ptr], None),
@@ -99,21 +100,29 @@ class CpuKernels:
                           weight.out_features, out.data_ptr(), out.stride(0), bias, int(accumulate),
                           None if then is None else then.data.data_ptr())
 
-    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
-                  out: torch.Tensor, then: PackedWeight | None = None) -> bool:
-        """Causal attention of q `[T, heads, head_dim]` at positions `start..start+T-1` over keys and values
-        `[1, kv_heads, start+T, head_dim]` into out `[T, heads * head_dim]`; False when the shape is not
-        one the kernel takes (then nothing was written). `then`, the weight read next, starts streaming in
-        during the last head."""
+    def attention(self, q: torch.Tensor, segments: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int,
+                  scale: float, out: torch.Tensor, then: PackedWeight | None = None) -> bool:
+        """Causal attention of q `[T, heads, head_dim]` at positions `start..start+T-1` into out
+        `[T, heads * head_dim]`, over keys and values given as pieces in position order, each
+        `[1, kv_heads, n, head_dim]` with contiguous rows (a restored prefix and the working buffer need not
+        be joined first). False when the shapes are not ones the kernel takes (then nothing was written).
+        `then`, the weight read next, starts streaming in during the last head."""
         tokens, heads, head_dim = q.shape
-        kv_heads, length = keys.shape[1], keys.shape[2]
-        if (keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != head_dim
-                or q.stride(2) != 1 or q.stride(1) != head_dim or length != start + tokens):
+        if q.stride(2) != 1 or q.stride(1) != head_dim or not segments:
             return False
-        status = self._lib.tz_attention(q.data_ptr(), tokens, heads, kv_heads, head_dim, q.stride(0),
-                                        keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.stride(2), length,
-                                        start, scale, out.data_ptr(), out.stride(0),
-                                        None if then is None else then.data.data_ptr())
+        kv_heads = segments[0][0].shape[1]
+        for keys, values in segments:
+            if (keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != head_dim
+                    or keys.shape != values.shape or keys.shape[1] != kv_heads or keys.shape[3] != head_dim):
+                return False
+        count = len(segments)
+        key_pointers = (ctypes.c_void_p * count)(*(k.data_ptr() for k, _ in segments))
+        value_pointers = (ctypes.c_void_p * count)(*(v.data_ptr() for _, v in segments))
+        head_strides = (ctypes.c_int64 * count)(*(k.stride(1) for k, _ in segments))
+        lengths = (ctypes.c_int64 * count)(*(k.shape[2] for k, _ in segments))
+        status = self._lib.tz_attention(q.data_ptr(), tokens, heads, kv_heads, head_dim, q.stride(0), count,
+                                        key_pointers, value_pointers, head_strides, lengths, start, scale,
+                                        out.data_ptr(), out.stride(0), None if then is None else then.data.data_ptr())
         return bool(status == 0)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:

@@ -166,6 +166,10 @@ class Runner:
                 ttft = time.perf_counter() - started
             if delta:
                 emit(delta)
+            if len(output) == 1 and self.loaded.state is not None:
+                # The first token is out: now join the restored prefix to the working buffers, which
+                # decode steps read as one tensor.
+                self.loaded.state.materialize(cache)
             if token in self.loaded.eos_token_ids or detok.stopped:
                 finish_reason = "stop"
                 break

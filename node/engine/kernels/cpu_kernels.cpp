@@ -171,15 +171,16 @@ constexpr int64_t VALUE_BLOCK = 64;  // keys whose values and weights stay in L1
 
 template <int DV>
 void values_for_head(const float* P, int64_t TP, int64_t T, int64_t L, const float* values, int64_t kv_sl, float* O,
-                     int64_t o_st, const float* ahead) {
+                     int64_t o_st, const float* ahead, bool first) {
   constexpr int RT = 24 / DV;
   for (int64_t j0 = 0; j0 < L; j0 += VALUE_BLOCK) {
     const int64_t j1 = j0 + VALUE_BLOCK < L ? j0 + VALUE_BLOCK : L;
     int64_t t = 0;
     for (; t + RT <= T; t += RT)
-      value_tile<RT, DV>(P + t, TP, j0, j1, values, kv_sl, O + t * o_st, o_st, j0 == 0, t == 0 ? ahead : nullptr);
+      value_tile<RT, DV>(P + t, TP, j0, j1, values, kv_sl, O + t * o_st, o_st, first && j0 == 0,
+                         t == 0 ? ahead : nullptr);
     for (; t < T; t++)
-      value_tile<1, DV>(P + t, TP, j0, j1, values, kv_sl, O + t * o_st, o_st, j0 == 0, t == 0 ? ahead : nullptr);
+      value_tile<1, DV>(P + t, TP, j0, j1, values, kv_sl, O + t * o_st, o_st, first && j0 == 0, t == 0 ? ahead : nullptr);
   }
 }
 
@@ -235,42 +236,51 @@ void tz_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const float* pac
 }
 
 // Causal attention of T queries at positions start..start+T-1 over keys 0..L-1 (L = start + T), for H
-// query heads sharing Hkv key/value heads (grouped-query attention), head dim D (a multiple of 16).
-// q[t, h, d] at q + t * q_st + h * D + d; K and V [Hkv, L, D] at + g * kv_sh + j * kv_sl + d;
-// out[t, h, d] at out + t * o_st + h * D + d. T at most 64; D one of 32, 64, 128 (else returns -1). `then`
-// (may be null) is what the caller reads next: its first L * kv_sl floats are prefetched during the last head.
-int tz_attention(const float* q, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t q_st, const float* K,
-                 const float* V, int64_t kv_sh, int64_t kv_sl, int64_t L, int64_t start, float scale, float* out,
-                 int64_t o_st, const float* then) {
-  if ((D != 32 && D != 64 && D != 128) || T < 1 || T > 64) return -1;
+// query heads sharing Hkv key/value heads (grouped-query attention), head dim D (32, 64 or 128).
+// q[t, h, d] at q + t * q_st + h * D + d; out[t, h, d] at out + t * o_st + h * D + d. The keys and values
+// come in `segments` pieces that follow each other in position order (a stored prefix need not be copied
+// next to the new tokens first): piece s holds seg_len[s] rows [Hkv, seg_len[s], D], key head g of
+// piece s at seg_keys[s] + g * seg_head_stride[s], rows D floats apart. T at most 64; returns -1 for a
+// shape it does not take. `then` (may be null) is what the caller reads next: it starts streaming in
+// during the last head.
+int tz_attention(const float* q, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t q_st, int segments,
+                 const float* const* seg_keys, const float* const* seg_values, const int64_t* seg_head_stride,
+                 const int64_t* seg_len, int64_t start, float scale, float* out, int64_t o_st, const float* then) {
+  if ((D != 32 && D != 64 && D != 128) || T < 1 || T > 64 || segments < 1) return -1;
+  int64_t L = 0;
+  for (int s = 0; s < segments; s++) L += seg_len[s];
+  if (L != start + T) return -1;
   FlushDenormals flush;
   const int TV = static_cast<int>((T + 15) / 16);
   const int64_t TP = TV * 16;
   float* qT = scratch(D * TP + L * TP);
   float* S = qT + D * TP;
   const int64_t group = H / Hkv;
+  const int rows = SCORE_ROWS[TV];
   for (int64_t h = 0; h < H; h++) {
-    const float* keys = K + (h / group) * kv_sh;
-    const float* values = V + (h / group) * kv_sh;
+    const int64_t g = h / group;
     for (int64_t d = 0; d < D; d++)
       for (int64_t t = 0; t < TP; t++) qT[d * TP + t] = t < T ? q[t * q_st + h * D + d] * scale : 0.0f;
     // Scores, key-major: S[j, t]. The causal part (keys past `start`) is masked before its maximum is
-    // taken, so it is scored one key at a time.
-    __m512 mx[4], sum[4];
+    // taken, so it is scored one key at a time. Keys KEYS_AHEAD ahead go to L1; this head's values, read
+    // after the softmax, to L2.
+    __m512 mx[4], sum[4], ignored[4];
     for (int v = 0; v < TV; v++) { mx[v] = _mm512_set1_ps(-__builtin_inff()); sum[v] = _mm512_setzero_ps(); }
-    const int rows = SCORE_ROWS[TV];
-    int64_t j = 0;
-    // Keys KEYS_AHEAD ahead go to L1; this head's values, read after the softmax, to L2.
-    for (; j + rows <= start + 1; j += rows)
-      SCORE_FULL[TV](qT, D, keys + j * kv_sl, kv_sl, S + j * TP, mx, keys + (j + KEYS_AHEAD) * kv_sl,
-                     values + j * kv_sl);
-    __m512 ignored[4];
-    for (; j < L; j++) {
-      SCORE_ONE[TV](qT, D, keys + j * kv_sl, kv_sl, S + j * TP, ignored, nullptr, nullptr);
-      for (int64_t t = 0; t < j - start && t < TP; t++) S[j * TP + t] = -__builtin_inff();  // query t sees j <= start + t
-      for (int v = 0; v < TV; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_load_ps(S + j * TP + v * 16));
+    for (int64_t s = 0, base = 0; s < segments; base += seg_len[s], s++) {
+      const float* keys = seg_keys[s] + g * seg_head_stride[s];
+      const float* values = seg_values[s] + g * seg_head_stride[s];
+      const int64_t unmasked = start + 1 - base < seg_len[s] ? start + 1 - base : seg_len[s];
+      int64_t j = 0;
+      for (; j + rows <= unmasked; j += rows)
+        SCORE_FULL[TV](qT, D, keys + j * D, D, S + (base + j) * TP, mx, keys + (j + KEYS_AHEAD) * D, values + j * D);
+      for (; j < seg_len[s]; j++) {
+        float* row = S + (base + j) * TP;
+        SCORE_ONE[TV](qT, D, keys + j * D, D, row, ignored, nullptr, nullptr);
+        for (int64_t t = 0; t < base + j - start && t < TP; t++) row[t] = -__builtin_inff();  // t sees j <= start + t
+        for (int v = 0; v < TV; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_load_ps(row + v * 16));
+      }
     }
-    for (j = 0; j < L; j++)
+    for (int64_t j = 0; j < L; j++)
       for (int v = 0; v < TV; v++) {
         __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(S + j * TP + v * 16), mx[v]));
         _mm512_store_ps(S + j * TP + v * 16, e);
@@ -280,10 +290,16 @@ int tz_attention(const float* q, int64_t T, int64_t H, int64_t Hkv, int64_t D, i
     for (int v = 0; v < TV; v++) _mm512_storeu_ps(inv + v * 16, _mm512_div_ps(_mm512_set1_ps(1.0f), sum[v]));
     float* o = out + h * D;
     // While the values are summed, the next key head streams into L2 (one 64-byte line per key and 16 dims).
-    const float* next_keys = h + 1 == H ? then : (h + 1) % group == 0 ? K + ((h + 1) / group) * kv_sh : nullptr;
-    if (D == 64) values_for_head<4>(S, TP, T, L, values, kv_sl, o, o_st, next_keys);
-    else if (D == 128) values_for_head<8>(S, TP, T, L, values, kv_sl, o, o_st, next_keys);
-    else values_for_head<2>(S, TP, T, L, values, kv_sl, o, o_st, next_keys);
+    const bool last = h + 1 == H, next_group = (h + 1) % group == 0;
+    for (int64_t s = 0, base = 0; s < segments; base += seg_len[s], s++) {
+      const float* values = seg_values[s] + g * seg_head_stride[s];
+      const float* ahead = last ? (then ? then + base * D : nullptr)
+                                : next_group ? seg_keys[s] + (g + 1) * seg_head_stride[s] : nullptr;
+      const float* P = S + base * TP;
+      if (D == 64) values_for_head<4>(P, TP, T, seg_len[s], values, D, o, o_st, ahead, s == 0);
+      else if (D == 128) values_for_head<8>(P, TP, T, seg_len[s], values, D, o, o_st, ahead, s == 0);
+      else values_for_head<2>(P, TP, T, seg_len[s], values, D, o, o_st, ahead, s == 0);
+    }
     for (int64_t t = 0; t < T; t++)
       for (int64_t d = 0; d < D; d += 16)
         _mm512_storeu_ps(o + t * o_st + d, _mm512_mul_ps(_mm512_loadu_ps(o + t * o_st + d), _mm512_set1_ps(inv[t])));

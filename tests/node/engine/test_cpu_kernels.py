@@ -82,20 +82,47 @@ def test_attention_matches_sdpa(kernels: CpuKernels, tokens: int, heads: int, kv
     keys, values = key_buffer[:, :, :length], value_buffer[:, :, :length]
     q = torch.randn(tokens, heads, head_dim, generator=generator) * 3
     out = torch.full((tokens, heads * head_dim), float("nan"))
-    assert kernels.attention(q, keys, values, start, 1 / math.sqrt(head_dim), out)
+    assert kernels.attention(q, [(keys, values)], start, 1 / math.sqrt(head_dim), out)
     mask = torch.ones(tokens, length, dtype=torch.bool).tril(start)
     expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
                                               enable_gqa=heads != kv_heads)
     assert close(out, expected[0].transpose(0, 1).reshape(tokens, -1))
 
 
+@pytest.mark.parametrize("cuts", [(300,), (100, 200), (1, 37, 262), (150, 140, 10)])
+def test_attention_over_pieces_matches_one_tensor(kernels: CpuKernels, cuts: tuple[int, ...]) -> None:
+    """Keys and values in pieces (a restored prefix, then the working buffer) give what one tensor gives;
+    the last piece holds all 24 queries' own keys, or (150, 140, 10) splits them across two pieces."""
+    generator = torch.Generator().manual_seed(sum(cuts))
+    tokens, heads, kv_heads, head_dim, length = 24, 4, 2, 64, 300
+    keys = torch.randn(1, kv_heads, length, head_dim, generator=generator)
+    values = torch.randn(1, kv_heads, length, head_dim, generator=generator)
+    q = torch.randn(tokens, heads, head_dim, generator=generator)
+    whole = torch.empty(tokens, heads * head_dim)
+    assert kernels.attention(q, [(keys, values)], length - tokens, 0.125, whole)
+    pieces, position = [], 0
+    for cut in cuts:
+        # Each piece in its own memory, as stored spans are; the last one a view of a longer buffer.
+        buffer_keys = torch.zeros(1, kv_heads, cut + 5, head_dim)
+        buffer_values = torch.zeros(1, kv_heads, cut + 5, head_dim)
+        buffer_keys[:, :, :cut] = keys[:, :, position:position + cut]
+        buffer_values[:, :, :cut] = values[:, :, position:position + cut]
+        pieces.append((buffer_keys[:, :, :cut], buffer_values[:, :, :cut]))
+        position += cut
+    out = torch.empty(tokens, heads * head_dim)
+    assert kernels.attention(q, pieces, length - tokens, 0.125, out)
+    assert close(out, whole)
+
+
 def test_attention_refuses_shapes_it_does_not_take(kernels: CpuKernels) -> None:
     keys = torch.randn(1, 2, 20, 16)
     out = torch.zeros(4, 2 * 16)
-    assert not kernels.attention(torch.randn(4, 2, 16), keys, keys, 16, 0.25, out)  # head_dim 16
+    assert not kernels.attention(torch.randn(4, 2, 16), [(keys, keys)], 16, 0.25, out)  # head_dim 16
     keys = torch.randn(1, 2, 100, 32)
-    assert not kernels.attention(torch.randn(70, 2, 32), keys, keys, 30, 0.2, torch.zeros(70, 64))  # > 64 queries
-    assert not kernels.attention(torch.randn(4, 2, 32), keys, keys, 50, 0.2, torch.zeros(4, 64))  # length mismatch
+    assert not kernels.attention(torch.randn(70, 2, 32), [(keys, keys)], 30, 0.2, torch.zeros(70, 64))  # > 64 queries
+    assert not kernels.attention(torch.randn(4, 2, 32), [(keys, keys)], 50, 0.2, torch.zeros(4, 64))  # length
+    assert not kernels.attention(torch.randn(4, 2, 32), [(keys[..., :16], keys[..., :16])], 96, 0.2,
+                                 torch.zeros(4, 64))  # head_dim of the keys differs
     assert not out.any()
 
 

@@ -68,8 +68,8 @@ def test_chunked_prefill_equals_one_pass(loaded: LoadedModel) -> None:
     assert torch.allclose(logits, full_pass_logits(loaded, prompt), atol=TOLERANCE, rtol=0)
 
 
-def generate(runner: Runner, prompt: list[int], max_tokens: int = 20) -> list[int]:
-    request = GenerationRequest(SCOPE, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+def generate(runner: Runner, prompt: list[int], max_tokens: int = 20, scope: Scope = SCOPE) -> list[int]:
+    request = GenerationRequest(scope, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     return runner.generate(request, emit=lambda _: None, cancelled=lambda: False).output_ids
 
 
@@ -114,6 +114,32 @@ def test_another_scope_never_continues_from_the_working_buffers(loaded: LoadedMo
     logits, restored = runner.prompt_logits(Scope("bob", "small"), prompt + [7])
     assert restored == 0
     assert torch.allclose(logits, full_pass_logits(loaded, prompt + [7]), atol=TOLERANCE, rtol=0)
+
+
+def test_a_prefix_restored_after_another_callers_request_is_read_where_it_is_stored(
+        loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bob's request takes the working buffers, so Alice's prefix comes back from the store: the resumed
+    forward reads the stored pieces in place (no copy before the first token), decoding then joins them."""
+    assert loaded.decoder is not None and loaded.state is not None
+    reuse, plain = fresh_runner(loaded), Runner(loaded, None)
+    history = tokens(21, 150)
+    generate(reuse, history)
+    generate(reuse, tokens(22, 90), scope=Scope("bob", "small"))
+    pieces_seen: list[int] = []
+    original = loaded.decoder._attention
+
+    def counting(q: torch.Tensor, layer: object, segments: list[object], *args: object) -> None:
+        pieces_seen.append(len(segments))
+        original(q, layer, segments, *args)
+
+    monkeypatch.setattr(loaded.decoder, "_attention", counting)
+    follow = history + tokens(23, 30)
+    got = generate(reuse, follow)
+    assert got == generate(plain, follow)
+    assert max(pieces_seen) > 1  # the first forward attended over stored pieces and new tokens
+    logits, restored = reuse.prompt_logits(SCOPE, follow + got + tokens(24, 20))
+    assert restored > len(follow)
+    assert torch.allclose(logits, full_pass_logits(loaded, follow + got + tokens(24, 20)), atol=TOLERANCE, rtol=0)
 
 
 def test_without_reuse_the_prefill_is_not_cut_for_snapshots(small_model_dir: Path, tmp_path: Path) -> None:

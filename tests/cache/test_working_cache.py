@@ -1,0 +1,42 @@
+"""Pooled working layers: restored pieces appended by reference read the same as copies."""
+
+from __future__ import annotations
+
+import torch
+
+from cache.working_cache import BufferPool, GrowableKVLayer
+
+
+def kv(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 2, tokens, 8, generator=generator), torch.randn(1, 2, tokens, 8, generator=generator)
+
+
+def test_pieces_by_reference_are_read_in_place_then_joined_on_demand() -> None:
+    layer = GrowableKVLayer(capacity=8, pool=BufferPool())
+    first, second, new = kv(1, 5), kv(2, 4), kv(3, 3)
+    layer.defer(*first)
+    layer.defer(*second)
+    assert layer.get_seq_length() == 9
+    segments = layer.append(*new)
+    assert layer.get_seq_length() == 12 and layer.capacity == 16  # grew past 8 without copying the pieces
+    assert len(segments) == 3
+    assert segments[0][0] is first[0] and segments[1][1] is second[1]  # the stored tensors themselves
+    assert torch.equal(segments[2][0], new[0]) and torch.equal(segments[2][1], new[1])
+    expected_keys = torch.cat([first[0], second[0], new[0]], dim=2)
+    expected_values = torch.cat([first[1], second[1], new[1]], dim=2)
+    keys, values = layer.update(*kv(4, 1))  # a reader of one tensor joins the pieces first
+    assert torch.equal(keys[:, :, :12], expected_keys) and torch.equal(values[:, :, :12], expected_values)
+    assert len(layer.segments()) == 1
+
+
+def test_pieces_after_buffered_tokens_keep_their_positions() -> None:
+    layer = GrowableKVLayer(capacity=32)
+    head, piece, tail = kv(5, 4), kv(6, 6), kv(7, 2)
+    layer.update(*head)  # as an adopted prefix: already in the buffer
+    layer.defer(*piece)
+    segments = layer.append(*tail)
+    assert [s[0].shape[2] for s in segments] == [4, 6, 2]
+    layer.materialize()
+    assert torch.equal(layer.keys, torch.cat([head[0], piece[0], tail[0]], dim=2))
+    assert [s[0].shape[2] for s in layer.segments()] == [12]
