@@ -4,8 +4,9 @@ After a reused prefix only the new tokens run, tens of them against a history of
 thread that forward is bound by streaming every weight from memory once and by attention over the whole
 history, not by transformers' Python. This module runs it with the kernels of `cpu_kernels` over the same
 working cache, so stored spans and pooled buffers behave as with transformers' forward; a restored prefix
-that the working layer holds by reference (`GrowableKVLayer.defer`) is attended where it is stored. Chunks longer than `MAX_TOKENS` (cold prefill) stay on transformers' forward,
-whose library GEMMs are at their best on long inputs.
+that the working layer holds by reference (`GrowableKVLayer.defer`) is attended where it is stored.
+Chunks longer than `MAX_TOKENS` (cold prefill) stay on transformers' forward, whose library GEMMs are at
+their best on long inputs.
 
 Only the last position's logits are wanted, so the last layer runs attention, output projection and MLP
 for that one row; earlier rows of the last layer feed nothing but their K/V, which it still writes.
