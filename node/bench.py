@@ -72,7 +72,9 @@ class Streamed:
 @dataclass(frozen=True, slots=True)
 class Sample:
     length: int
-    kind: str  # "cold" or "reused"
+    kind: str
+    """"cold"; "reused": right after a request on the same prefix; "after-other": after a request on
+    another prompt, so a node that keeps the last request's state hot must restore this prefix from store."""
     run: int
     ttft_ms: float
     prompt_tokens: int | None
@@ -86,6 +88,8 @@ class Row:
     reused_ttft_ms: float
     ratio: float
     """Median reused TTFT over median cold TTFT."""
+    after_other_ttft_ms: float
+    """Median TTFT of the same reuse when another prompt ran in between."""
     ideal_ratio: float
     """new_tokens / prompt_tokens: the ratio if TTFT were proportional to the tokens computed."""
     reused_cached_tokens: tuple[int, ...] | None
@@ -115,8 +119,8 @@ class PromptSource:
         self._first_tokens.add(ids[0])
         return ids
 
-    def suffix(self, count: int, unlike: int | None = None) -> list[int]:
-        return self._ids(count, () if unlike is None else (unlike,))
+    def suffix(self, count: int, unlike: Collection[int] = ()) -> list[int]:
+        return self._ids(count, unlike)
 
 
 def api_base(url: str) -> str:
@@ -202,29 +206,34 @@ async def _measure(client: Client, source: PromptSource, settings: Settings) -> 
     samples: list[Sample] = []
     for length in settings.lengths:
         for run in range(settings.runs):
-            cold = await client.complete(source.prefix(length))
             prefix = source.prefix(length - settings.new_tokens)
             warm_suffix = source.suffix(settings.new_tokens)
             await client.complete(prefix + warm_suffix)  # untimed: leaves the prefix's state on the server
-            reused = await client.complete(prefix + source.suffix(settings.new_tokens, unlike=warm_suffix[0]))
-            for kind, timing in (("cold", cold), ("reused", reused)):
+            cold = await client.complete(source.prefix(length))  # and another prompt in between
+            other_suffix = source.suffix(settings.new_tokens, unlike=(warm_suffix[0],))
+            after_other = await client.complete(prefix + other_suffix)
+            reused = await client.complete(
+                prefix + source.suffix(settings.new_tokens, unlike=(warm_suffix[0], other_suffix[0])))
+            for kind, timing in (("cold", cold), ("after-other", after_other), ("reused", reused)):
                 samples.append(Sample(length, kind, run, timing.ttft_s * 1000.0, timing.prompt_tokens,
                                       timing.cached_tokens))
-            progress(f"bench: {length} tokens, run {run + 1}/{settings.runs}: cold "
-                      f"{samples[-2].ttft_ms:.1f} ms, reused {samples[-1].ttft_ms:.1f} ms "
-                      f"(cached {reused.cached_tokens})")
+            progress(f"bench: {length} tokens, run {run + 1}/{settings.runs}: cold {cold.ttft_s * 1000:.1f} ms, "
+                     f"reused {reused.ttft_s * 1000:.1f} ms (cached {reused.cached_tokens}), after another "
+                     f"prompt {after_other.ttft_s * 1000:.1f} ms")
     return samples
 
 
 def summarise(settings: Settings, samples: list[Sample]) -> list[Row]:
     rows = []
     for length in settings.lengths:
-        cold = [s for s in samples if s.length == length and s.kind == "cold"]
-        reused = [s for s in samples if s.length == length and s.kind == "reused"]
-        cold_ms = statistics.median(s.ttft_ms for s in cold)
-        reused_ms = statistics.median(s.ttft_ms for s in reused)
-        cached = [s.cached_tokens for s in reused]
-        rows.append(Row(length, cold_ms, reused_ms, reused_ms / cold_ms, settings.new_tokens / length,
+        ttfts: dict[str, list[float]] = {}
+        for sample in samples:
+            if sample.length == length:
+                ttfts.setdefault(sample.kind, []).append(sample.ttft_ms)
+        cold_ms, reused_ms = statistics.median(ttfts["cold"]), statistics.median(ttfts["reused"])
+        cached = [s.cached_tokens for s in samples if s.length == length and s.kind == "reused"]
+        rows.append(Row(length, cold_ms, reused_ms, reused_ms / cold_ms, statistics.median(ttfts["after-other"]),
+                        settings.new_tokens / length,
                         None if None in cached else tuple(c for c in cached if c is not None)))
     return rows
 
@@ -235,9 +244,10 @@ def format_table(rows: list[Row]) -> str:
             return "n/a"
         return str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
 
-    lines = [("prompt tokens", "cold TTFT ms", "reused TTFT ms", "reused/cold", "ideal", "cached (reused)")]
+    lines = [("prompt tokens", "cold TTFT ms", "reused TTFT ms", "reused/cold", "ideal", "after other ms",
+              "cached (reused)")]
     lines += [(str(r.prompt_tokens), f"{r.cold_ttft_ms:.1f}", f"{r.reused_ttft_ms:.1f}", f"{r.ratio:.3f}",
-               f"{r.ideal_ratio:.3f}", cached(r.reused_cached_tokens)) for r in rows]
+               f"{r.ideal_ratio:.3f}", f"{r.after_other_ttft_ms:.1f}", cached(r.reused_cached_tokens)) for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True))
                      for line in lines)

@@ -245,14 +245,14 @@ async def stream_chat(client: Client, messages: Messages) -> Timing:
 async def text_extended(s: ScenarioRun) -> None:
     history = s.source.prefix(HISTORY)
     reply = await s.prime(history)
-    await s.measure("a", history + s.source.suffix(EXTENSION, unlike=reply[0] if reply else None), 0)
+    await s.measure("a", history + s.source.suffix(EXTENSION, unlike=reply[:1]), 0)
 
 
 async def text_edited(s: ScenarioRun) -> None:
     history = s.source.prefix(HISTORY + EXTENSION)
     await s.prime(history)
     at = len(history) - EDIT_FROM_END
-    edited = history[:at] + s.source.suffix(1, unlike=history[at]) + history[at + 1:]
+    edited = history[:at] + s.source.suffix(1, unlike=(history[at],)) + history[at + 1:]
     await s.measure("b", edited, s.interval or None)
 
 

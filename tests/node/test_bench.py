@@ -42,23 +42,24 @@ def test_bench_reuse_reports_exact_prefix_reuse(small_model_dir: Path, tmp_path:
 
     samples = report["samples"]
     assert [(s["length"], s["run"], s["kind"]) for s in samples] == [
-        (length, run, kind) for length in LENGTHS for run in range(RUNS) for kind in ("cold", "reused")]
+        (length, run, kind) for length in LENGTHS for run in range(RUNS)
+        for kind in ("cold", "after-other", "reused")]
     for sample in samples:
         assert sample["ttft_ms"] > 0
         assert sample["prompt_tokens"] == sample["length"]
-        expected_cached = sample["length"] - NEW_TOKENS if sample["kind"] == "reused" else 0
+        expected_cached = 0 if sample["kind"] == "cold" else sample["length"] - NEW_TOKENS
         assert sample["cached_tokens"] == expected_cached
 
     rows = report["rows"]
     assert [r["prompt_tokens"] for r in rows] == list(LENGTHS)
     for row in rows:
-        assert row["cold_ttft_ms"] > 0 and row["reused_ttft_ms"] > 0
+        assert row["cold_ttft_ms"] > 0 and row["reused_ttft_ms"] > 0 and row["after_other_ttft_ms"] > 0
         assert row["ratio"] == row["reused_ttft_ms"] / row["cold_ttft_ms"]
         assert row["ideal_ratio"] == NEW_TOKENS / row["prompt_tokens"]
         assert row["reused_cached_tokens"] == [row["prompt_tokens"] - NEW_TOKENS] * RUNS
 
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["prompt", "tokens", "cold", "TTFT", "ms", "reused", "TTFT", "ms",
-                                "reused/cold", "ideal", "cached", "(reused)"]
+                                "reused/cold", "ideal", "after", "other", "ms", "cached", "(reused)"]
     assert [line.split()[0] for line in lines[1:]] == [str(length) for length in LENGTHS]
     assert [line.split()[-1] for line in lines[1:]] == [str(length - NEW_TOKENS) for length in LENGTHS]
