@@ -190,8 +190,12 @@ def load_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
         return None
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _machine_key().encode()).hexdigest()
     target = cache_dir / f"cpu_kernels-{digest[:16]}.so"
-    if not target.exists() and not _build(target, compiler):
+    try:
+        if not target.exists() and not _build(target, compiler):
+            return None
+        library = ctypes.CDLL(str(target))
+    except OSError as exc:  # an unwritable cache directory, a library that does not load
+        log.warning("CPU kernels unavailable (%s); using transformers' forward", exc)
         return None
-    library = ctypes.CDLL(str(target))
     kernels = CpuKernels(library)
     return kernels if library.tz_has_avx512() == 1 else None

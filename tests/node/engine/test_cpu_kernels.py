@@ -33,6 +33,13 @@ def test_a_machine_without_a_compiler_gets_no_kernels(tmp_path: Path, monkeypatc
     assert not list(tmp_path.iterdir())
 
 
+def test_an_unwritable_cache_directory_means_no_kernels_not_a_failed_start(kernels: CpuKernels,
+                                                                          tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    assert load_kernels(blocked / "kernels") is None
+
+
 def test_the_library_is_built_once_per_source(kernels: CpuKernels, tmp_path: Path) -> None:
     assert load_kernels(tmp_path) is not None
     built = list(tmp_path.iterdir())
