@@ -102,10 +102,28 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _available_memory() -> int | None:
+    """Bytes the kernel could still hand out (MemAvailable), or None where /proc/meminfo is not there."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def _cpu_decoder(model: Any, model_id: str) -> CpuDecoder | None:
-    """The kernels' forward where it applies: one torch thread (the kernels are single-threaded), and a
-    model whose short forward it reproduces (checked here against transformers' own)."""
+    """The kernels' forward where it applies: one torch thread (the kernels are single-threaded), room for
+    its packed copy of the weights (at most half of the memory still available), and a model whose short
+    forward it reproduces (checked here against transformers' own)."""
     if torch.get_num_threads() != 1:
+        return None
+    weights = sum(m.weight.numel() * 4 for m in model.modules() if hasattr(m, "in_features"))
+    available = _available_memory()
+    if available is not None and weights > available // 2:
+        log.warning("model %s: no room for the CPU kernels' packed weights (%d MiB); using transformers' forward",
+                    model_id, weights >> 20)
         return None
     decoder = CpuDecoder.build(model, load_kernels())
     if decoder is not None and not decoder.agrees_with_model():

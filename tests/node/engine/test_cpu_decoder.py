@@ -112,6 +112,10 @@ def test_loader_serves_the_small_model_through_the_decoder_on_one_thread(
     assert torch.get_num_threads() == 1  # tests/conftest.py
     loaded = load_model("small", small_model_dir)
     assert loaded.decoder is not None and loaded.state is not None
+    monkeypatch.setattr(loader, "_available_memory", lambda: 2 * 1024 * 1024)
+    assert load_model("small", small_model_dir).decoder is None  # no room for a packed copy of its 8.6 MB of weights
+    monkeypatch.setattr(loader, "_available_memory", lambda: None)
+    assert load_model("small", small_model_dir).decoder is not None
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert load_model("small", small_model_dir).decoder is None  # the kernels are single-threaded
 
