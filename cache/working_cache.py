@@ -67,7 +67,7 @@ class GrowableKVLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
         self.materialize()
-        self.append(key_states, value_states)
+        self._write(key_states, value_states)
         assert self.keys is not None and self.values is not None
         return self.keys, self.values
 
@@ -87,11 +87,7 @@ class GrowableKVLayer(DynamicLayer):
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Write new K/V after the current length, leaving pieces appended by reference where they are;
         returns `segments()`."""
-        start = self._reserve(key_states, value_states)
-        assert self._key_buffer is not None and self._value_buffer is not None
-        end = start + key_states.shape[-2]
-        self._key_buffer[:, :, start:end].copy_(key_states)
-        self._value_buffer[:, :, start:end].copy_(value_states)
+        self._write(key_states, value_states)
         return self.segments()
 
     def segments(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -107,6 +103,13 @@ class GrowableKVLayer(DynamicLayer):
         if position < end:
             pieces.append((self._key_buffer[:, :, position:end], self._value_buffer[:, :, position:end]))
         return pieces
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        start = self._reserve(key_states, value_states)
+        assert self._key_buffer is not None and self._value_buffer is not None
+        end = start + key_states.shape[-2]
+        self._key_buffer[:, :, start:end].copy_(key_states)
+        self._value_buffer[:, :, start:end].copy_(value_states)
 
     def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
         """Make room for `key_states`' tokens after the current length; returns where they start."""

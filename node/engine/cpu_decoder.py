@@ -14,6 +14,7 @@ for that one row; earlier rows of the last layer feed nothing but their K/V, whi
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ from transformers import DynamicCache, LlamaForCausalLM
 
 from cache.working_cache import GrowableKVLayer
 from node.engine.cpu_kernels import CpuKernels, PackedWeight
+
+log = logging.getLogger(__name__)
 
 MAX_TOKENS = 64
 """Longest chunk this forward takes; longer chunks are cold prefill, run by transformers."""
@@ -65,8 +68,7 @@ def _supports(model: Any) -> str | None:
 class CpuDecoder:
     """Packed copies of a Llama-shaped model's weights and the forward that runs on them.
 
-    The packed weights are a second copy next to the model's own (which cold prefill still reads):
-    `packed_bytes` says how much memory that costs.
+    The packed weights are a second copy next to the model's own, which cold prefill still reads.
     """
 
     def __init__(self, model: Any, kernels: CpuKernels) -> None:
@@ -89,7 +91,11 @@ class CpuDecoder:
 
     @classmethod
     def build(cls, model: Any, kernels: CpuKernels | None) -> CpuDecoder | None:
-        if kernels is None or _supports(model) is not None:
+        if kernels is None:
+            return None
+        reason = _supports(model)
+        if reason is not None:
+            log.debug("no CPU decoder: %s", reason)
             return None
         return cls(model, kernels)
 
@@ -108,11 +114,6 @@ class CpuDecoder:
             gate_up=pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gate_up_bias),
             down=pack(mlp.down_proj.weight, mlp.down_proj.bias),
         )
-
-    @property
-    def packed_bytes(self) -> int:
-        weights = [w for layer in self._layers for w in (layer.qkv, layer.output, layer.gate_up, layer.down)]
-        return sum(w.nbytes for w in weights) + self._head.nbytes
 
     def takes(self, tokens: int) -> bool:
         return 0 < tokens <= MAX_TOKENS

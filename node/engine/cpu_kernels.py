@@ -26,14 +26,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "cpu_kernels.cpp"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
-PANEL = 32
-"""Output columns per packed panel (`NR` in the source)."""
 ALIGNMENT = 64
 """Bytes: packed panels are read with aligned vector loads."""
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
-    "tz_has_avx512": ([], ctypes.c_int),
     "tz_packed_floats": ([_i64, _i64], _i64),
     "tz_pack": ([_ptr, _i64, _i64, _i64, _i64, _ptr], None),
     "tz_gemm": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int, _ptr], None),
@@ -53,10 +50,6 @@ class PackedWeight:
     in_features: int
     out_features: int
     bias: torch.Tensor | None
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
 
 
 def _aligned_empty(floats: int) -> torch.Tensor:
@@ -143,21 +136,14 @@ class CpuKernels:
         self._lib.tz_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr())
 
 
-def _machine_key() -> str:
-    """What -march=native depends on: a library built on one CPU model must not load on another."""
+def _cpu_model() -> str | None:
+    """The first CPU's model name and flags: what -march=native depends on, so a library built on one CPU
+    model never loads on another. None where /proc/cpuinfo cannot be read."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        info = platform.processor()
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
-    return "\n".join(lines)
-
-
-def _has_avx512() -> bool:
-    try:
-        return " avx512f " in f" {Path('/proc/cpuinfo').read_text()} ".replace("\n", " ")
-    except OSError:
-        return False
+        return None
+    return "\n".join([line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2])
 
 
 def _build(target: Path, compiler: str) -> bool:
@@ -182,13 +168,14 @@ def default_cache_dir() -> Path:
 def load_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
     """The kernels for this machine, built into `cache_dir` on first use; None where they cannot run."""
     cache_dir = cache_dir or default_cache_dir()
-    if platform.machine() not in ("x86_64", "AMD64") or not _has_avx512():
+    cpu = _cpu_model()
+    if platform.machine() not in ("x86_64", "AMD64") or cpu is None or " avx512f " not in f" {cpu} ".replace("\n", " "):
         return None
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         log.warning("no C++ compiler found; using transformers' forward on the CPU")
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _machine_key().encode()).hexdigest()
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + cpu.encode()).hexdigest()
     target = cache_dir / f"cpu_kernels-{digest[:16]}.so"
     try:
         if not target.exists() and not _build(target, compiler):
@@ -197,5 +184,4 @@ def load_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
     except OSError as exc:  # an unwritable cache directory, a library that does not load
         log.warning("CPU kernels unavailable (%s); using transformers' forward", exc)
         return None
-    kernels = CpuKernels(library)
-    return kernels if library.tz_has_avx512() == 1 else None
+    return CpuKernels(library)

@@ -67,10 +67,6 @@ class Runner:
     def reuse_enabled(self) -> bool:
         return self.prefix_cache is not None
 
-    def _forward(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
-        """Run `ids` at positions `[start, start + len)`; returns the last position's logits `[vocab]`."""
-        return self.loaded.forward(ids, start, cache)
-
     @property
     def _takes_snapshots(self) -> bool:
         state = self.loaded.state
@@ -90,7 +86,7 @@ class Runner:
         for stop in stops:
             if stop <= position:
                 continue
-            logits = self._forward(prompt[position:stop], position, cache)
+            logits = self.loaded.forward(prompt[position:stop], position, cache)
             position = stop
             if stop in wanted and self.loaded.state is not None:
                 snapshots[stop] = self.loaded.state.snapshot(cache)
@@ -177,7 +173,7 @@ class Runner:
                 finish_reason = "cancelled"
                 break
             if len(output) < params.max_tokens:
-                logits = self._forward([token], len(prompt) + len(output) - 1, cache)
+                logits = self.loaded.forward([token], len(prompt) + len(output) - 1, cache)
         tail = detok.flush()
         if tail:
             emit(tail)

@@ -188,8 +188,6 @@ void values_for_head(const float* P, int64_t TP, int64_t T, int64_t L, const flo
 
 extern "C" {
 
-int tz_has_avx512(void) { return __builtin_cpu_supports("avx512f") ? 1 : 0; }
-
 int64_t tz_packed_floats(int64_t K, int64_t N) { return ((N + NR - 1) / NR) * K * NR; }
 
 // out[panel, k, 32] <- W[n, k] with W's element (n, k) at W[n * stride_n + k * stride_k]; the columns past N

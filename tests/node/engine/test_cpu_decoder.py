@@ -13,7 +13,7 @@ from cache.adapters import ModelStateAdapter
 from cache.state_spec import model_state_specs
 from node.engine import loader
 from node.engine.cpu_decoder import MAX_TOKENS, CpuDecoder
-from node.engine.cpu_kernels import CpuKernels, load_kernels
+from node.engine.cpu_kernels import CpuKernels
 from node.engine.cpu_layout import transpose_linear_weights
 from node.engine.loader import load_model
 from node.engine.synthetic import init_model
@@ -21,14 +21,6 @@ from node.engine.synthetic import init_model
 TOLERANCE = 1e-4
 """Of the largest |logit|, as the engine's other resume checks."""
 VOCAB = 300
-
-
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
-    built = load_kernels(tmp_path_factory.mktemp("kernels"))
-    if built is None:
-        pytest.skip("this machine has no AVX-512 or no C++ compiler: the engine runs transformers' forward")
-    return built
 
 
 def llama(**overrides: object) -> LlamaForCausalLM:

@@ -15,14 +15,6 @@ TOLERANCE = 1e-5
 """Float32 sums taken in another order: relative to the largest |value| of the reference."""
 
 
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
-    built = load_kernels(tmp_path_factory.mktemp("kernels"))
-    if built is None:
-        pytest.skip("this machine has no AVX-512 or no C++ compiler: the engine runs transformers' forward")
-    return built
-
-
 def close(got: torch.Tensor, expected: torch.Tensor) -> bool:
     return float((got - expected).abs().max()) <= TOLERANCE * max(1.0, float(expected.abs().max()))
 

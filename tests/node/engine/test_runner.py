@@ -142,14 +142,16 @@ def test_a_prefix_restored_after_another_callers_request_is_read_where_it_is_sto
     assert torch.allclose(logits, full_pass_logits(loaded, follow + got + tokens(24, 20)), atol=TOLERANCE, rtol=0)
 
 
-def test_without_reuse_the_prefill_is_not_cut_for_snapshots(small_model_dir: Path, tmp_path: Path) -> None:
+def test_without_reuse_the_prefill_is_not_cut_for_snapshots(small_model_dir: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from node.engine.synthetic import init_model
 
     hybrid = load_model("h", init_model("bamba", tmp_path / "h", size="small"))
     plain = Runner(hybrid, None, prefill_chunk=1024)
     lengths: list[int] = []
-    forward = plain._forward
-    plain._forward = lambda ids, start, cache: lengths.append(len(ids)) or forward(ids, start, cache)  # type: ignore
+    forward = LoadedModel.forward
+    monkeypatch.setattr(LoadedModel, "forward", lambda self, ids, start, cache: lengths.append(len(ids))
+                        or forward(self, ids, start, cache))
     plain.generate(GenerationRequest(Scope("c", "h"), tokens(14, 300), SamplingParams(1, 0.0), boundaries=(90, 200)),
                    emit=lambda _: None, cancelled=lambda: False)
     assert lengths == [300]
