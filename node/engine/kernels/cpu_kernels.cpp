@@ -39,6 +39,23 @@ inline __m512 exp512(__m512 x) {
   return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
 }
 
+// exp(x) for x <= 0 (or -inf), denormals flushed: 2^n * 2^f with n = round(x log2 e), |f| <= 0.5, 2^f by
+// its Taylor series to degree 7 (relative error about 1e-7); far below the maximum the result is 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);  // ln2^7 / 7!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428441e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Flushes denormal inputs and results to zero while alive: the weights of keys far below the maximum
 // score underflow, and each arithmetic step on a denormal costs a microcode assist of ~100 cycles.
 class FlushDenormals {
@@ -106,27 +123,20 @@ const gemm_tile_fn GEMM_TILES[MAX_TILE + 1] = {
     nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>, gemm_tile<5>, gemm_tile<6>,
     gemm_tile<7>, gemm_tile<8>, gemm_tile<9>, gemm_tile<10>, gemm_tile<11>, gemm_tile<12>};
 
-// S[j, TV*16] = sum_d K[j, d] * qT[d, TV*16] for R keys from `keys` (row stride kv_sl); mx takes the
-// running maximum per query lane.
-// The same rows of `upcoming_keys` (to L1) and `values` (to L2) are prefetched a line per step of d, so
-// the requests trickle out with the arithmetic instead of queueing in a burst (R * D / 16 <= D lines).
+// S[j, TV*16] = sum_d K[j, d] * qT[d, TV*16] for R keys from `keys` (rows D floats apart); mx takes the
+// running maximum per query lane. Every step of d also prefetches one line of `pf` (pf_lines in all), so
+// the next blocks' keys stream in with the arithmetic instead of queueing in a burst.
 template <int R, int TV>
-void score_tile(const float* qT, int64_t D, const float* keys, int64_t kv_sl, float* S, __m512* mx,
-                const float* upcoming_keys, const float* values) {
+void score_tile(const float* qT, int64_t D, const float* keys, float* S, __m512* mx, const float* pf, int64_t pf_lines) {
   __m512 acc[R][TV];
   for (int r = 0; r < R; r++)
     for (int v = 0; v < TV; v++) acc[r][v] = _mm512_setzero_ps();
-  const int64_t lines_per_row = D / 16, prefetched = upcoming_keys ? R * lines_per_row : 0;
   for (int64_t d = 0; d < D; d++) {
-    if (d < prefetched) {
-      const int64_t offset = (d / lines_per_row) * kv_sl + (d % lines_per_row) * 16;
-      _mm_prefetch(reinterpret_cast<const char*>(upcoming_keys + offset), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(values + offset), _MM_HINT_T1);
-    }
+    if (d < pf_lines) _mm_prefetch(reinterpret_cast<const char*>(pf + d * 16), _MM_HINT_T1);
     __m512 qv[TV];
     for (int v = 0; v < TV; v++) qv[v] = _mm512_load_ps(qT + d * TV * 16 + v * 16);
     for (int r = 0; r < R; r++) {
-      __m512 kb = _mm512_set1_ps(keys[r * kv_sl + d]);
+      __m512 kb = _mm512_set1_ps(keys[r * D + d]);
       for (int v = 0; v < TV; v++) acc[r][v] = _mm512_fmadd_ps(kb, qv[v], acc[r][v]);
     }
   }
@@ -137,19 +147,21 @@ void score_tile(const float* qT, int64_t D, const float* keys, int64_t kv_sl, fl
     }
 }
 
-// O[RT queries, DV*16] (=|+=) sum_j P[j, t] * V[j, DV*16] over keys [j0, j1), P key-major with TP floats a
-// key. While it runs, `ahead` rows j of another [L, D] block are prefetched into L2.
+// O[RT queries, DV*16] = O * alpha[t] + sum_j P[j, t] * V[j, DV*16] over the n keys of a block (or = the sum
+// alone when `first`), P key-major with TP floats a key. Every key also prefetches one line of `pf`.
 template <int RT, int DV>
-void value_tile(const float* P, int64_t TP, int64_t j0, int64_t j1, const float* values, int64_t kv_sl, float* O,
-                int64_t o_st, bool first, const float* ahead) {
+void value_tile(const float* P, int64_t TP, int64_t n, const float* values, float* O, int64_t o_st,
+                const float* alpha, bool first, const float* pf, int64_t pf_lines) {
   __m512 acc[RT][DV];
-  for (int r = 0; r < RT; r++)
-    for (int v = 0; v < DV; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(O + r * o_st + v * 16);
-  for (int64_t j = j0; j < j1; j++) {
-    if (ahead)
-      for (int v = 0; v < DV; v++) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * kv_sl + v * 16), _MM_HINT_T1);
+  for (int r = 0; r < RT; r++) {
+    const __m512 a = _mm512_set1_ps(first ? 0.0f : alpha[r]);
+    for (int v = 0; v < DV; v++)
+      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_loadu_ps(O + r * o_st + v * 16), a);
+  }
+  for (int64_t j = 0; j < n; j++) {
+    if (j < pf_lines) _mm_prefetch(reinterpret_cast<const char*>(pf + j * 16), _MM_HINT_T1);
     __m512 vv[DV];
-    for (int v = 0; v < DV; v++) vv[v] = _mm512_loadu_ps(values + j * kv_sl + v * 16);
+    for (int v = 0; v < DV; v++) vv[v] = _mm512_loadu_ps(values + j * DV * 16 + v * 16);
     for (int r = 0; r < RT; r++) {
       __m512 pb = _mm512_set1_ps(P[j * TP + r]);
       for (int v = 0; v < DV; v++) acc[r][v] = _mm512_fmadd_ps(pb, vv[v], acc[r][v]);
@@ -159,30 +171,44 @@ void value_tile(const float* P, int64_t TP, int64_t j0, int64_t j1, const float*
     for (int v = 0; v < DV; v++) _mm512_storeu_ps(O + r * o_st + v * 16, acc[r][v]);
 }
 
-constexpr int KEY_TILE = 12;
-constexpr int64_t KEYS_AHEAD = 48;  // keys prefetched ahead of the score tile (prefetches past the end are harmless)
-using score_fn = void (*)(const float*, int64_t, const float*, int64_t, float*, __m512*, const float*, const float*);
-const score_fn SCORE_FULL[5] = {nullptr, score_tile<KEY_TILE, 1>, score_tile<KEY_TILE, 2>, score_tile<8, 3>,
-                                score_tile<6, 4>};
-const int SCORE_ROWS[5] = {0, KEY_TILE, KEY_TILE, 8, 6};
+using score_fn = void (*)(const float*, int64_t, const float*, float*, __m512*, const float*, int64_t);
+const score_fn SCORE_FULL[5] = {nullptr, score_tile<12, 1>, score_tile<12, 2>, score_tile<8, 3>, score_tile<6, 4>};
+const int SCORE_ROWS[5] = {0, 12, 12, 8, 6};
+const score_fn SCORE_FOUR[5] = {nullptr, score_tile<4, 1>, score_tile<4, 2>, score_tile<4, 3>, score_tile<4, 4>};
 const score_fn SCORE_ONE[5] = {nullptr, score_tile<1, 1>, score_tile<1, 2>, score_tile<1, 3>, score_tile<1, 4>};
 
-constexpr int64_t VALUE_BLOCK = 64;  // keys whose values and weights stay in L1 across the query tiles
+constexpr int64_t BLOCK = 48;  // keys per step of the online softmax: a multiple of every SCORE_ROWS
+constexpr int64_t AHEAD = 2;  // blocks between the one computed and the one prefetched
 
+constexpr int below(int rows, int limit) { return rows < limit ? rows : 1; }
+
+// The values of one block for every query: tiles of RT queries, the remainder in one smaller tile.
 template <int DV>
-void values_for_head(const float* P, int64_t TP, int64_t T, int64_t L, const float* values, int64_t kv_sl, float* O,
-                     int64_t o_st, const float* ahead, bool first) {
+void block_values(const float* P, int64_t TP, int64_t T, int64_t n, const float* values, float* O, int64_t o_st,
+                  const float* alpha, bool first, const float* pf, int64_t pf_lines) {
   constexpr int RT = 24 / DV;
-  for (int64_t j0 = 0; j0 < L; j0 += VALUE_BLOCK) {
-    const int64_t j1 = j0 + VALUE_BLOCK < L ? j0 + VALUE_BLOCK : L;
-    int64_t t = 0;
-    for (; t + RT <= T; t += RT)
-      value_tile<RT, DV>(P + t, TP, j0, j1, values, kv_sl, O + t * o_st, o_st, first && j0 == 0,
-                         t == 0 ? ahead : nullptr);
-    for (; t < T; t++)
-      value_tile<1, DV>(P + t, TP, j0, j1, values, kv_sl, O + t * o_st, o_st, first && j0 == 0, t == 0 ? ahead : nullptr);
+  using value_fn = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t, const float*, bool,
+                            const float*, int64_t);
+  static const value_fn REST[12] = {  // by the queries left after the full tiles: only [1, RT) occur
+      nullptr, value_tile<1, DV>, value_tile<below(2, RT), DV>, value_tile<below(3, RT), DV>,
+      value_tile<below(4, RT), DV>, value_tile<below(5, RT), DV>, value_tile<below(6, RT), DV>,
+      value_tile<below(7, RT), DV>, value_tile<below(8, RT), DV>, value_tile<below(9, RT), DV>,
+      value_tile<below(10, RT), DV>, value_tile<below(11, RT), DV>};
+  int64_t t = 0;
+  for (; t + RT <= T; t += RT) {
+    value_tile<RT, DV>(P + t, TP, n, values, O + t * o_st, o_st, alpha + t, first, pf, pf_lines);
+    pf += n * 16, pf_lines -= n;
   }
+  if (t < T) REST[T - t](P + t, TP, n, values, O + t * o_st, o_st, alpha + t, first, pf, pf_lines);
 }
+
+// A run of key/value rows that the attention reads in order: one block of one head of one piece.
+struct Block {
+  const float* keys;
+  const float* values;
+  int64_t rows;
+  int64_t position;  // of the first row
+};
 
 }  // namespace
 
@@ -240,67 +266,107 @@ void tz_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const float* pac
 // next to the new tokens first): piece s holds seg_len[s] rows [Hkv, seg_len[s], D], key head g of
 // piece s at seg_keys[s] + g * seg_head_stride[s], rows D floats apart. T at most 64; returns -1 for a
 // shape it does not take. `then` (may be null) is what the caller reads next: it starts streaming in
-// during the last head.
+// during the last blocks.
+//
+// One pass per head with an online softmax over blocks of BLOCK keys (running maximum and sum per query,
+// the output rescaled when the maximum grows): each block's keys and values are read once, while the block
+// AHEAD places later streams in, so memory and arithmetic overlap instead of alternating.
 int tz_attention(const float* q, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t q_st, int segments,
                  const float* const* seg_keys, const float* const* seg_values, const int64_t* seg_head_stride,
                  const int64_t* seg_len, int64_t start, float scale, float* out, int64_t o_st, const float* then) {
-  if ((D != 32 && D != 64 && D != 128) || T < 1 || T > 64 || segments < 1) return -1;
+  if ((D != 32 && D != 64 && D != 128) || T < 1 || T > 64 || segments < 1 || H % Hkv != 0) return -1;
   int64_t L = 0;
   for (int s = 0; s < segments; s++) L += seg_len[s];
   if (L != start + T) return -1;
   FlushDenormals flush;
   const int TV = static_cast<int>((T + 15) / 16);
-  const int64_t TP = TV * 16;
-  float* qT = scratch(D * TP + L * TP);
-  float* S = qT + D * TP;
+  const int64_t TP = TV * 16, lines = D / 16;
   const int64_t group = H / Hkv;
+  // Every block in the order it is computed, then `then` as blocks of raw lines to prefetch.
+  const int64_t per_head = (L + BLOCK - 1) / BLOCK + segments;
+  // One scratch buffer: the block list, then qT [D, TP], a block's scores [BLOCK, TP], per-query state.
+  const int64_t list_floats = (((H * per_head + AHEAD) * static_cast<int64_t>(sizeof(Block)) + 63) / 64) * 16;
+  float* memory = scratch(list_floats + D * TP + BLOCK * TP + 3 * 64);
+  Block* blocks = reinterpret_cast<Block*>(memory);
+  int64_t count = 0;
+  for (int64_t h = 0; h < H; h++)
+    for (int64_t s = 0, base = 0; s < segments; base += seg_len[s], s++) {
+      const float* keys = seg_keys[s] + (h / group) * seg_head_stride[s];
+      const float* values = seg_values[s] + (h / group) * seg_head_stride[s];
+      for (int64_t j = 0; j < seg_len[s]; j += BLOCK)
+        blocks[count++] = {keys + j * D, values + j * D, seg_len[s] - j < BLOCK ? seg_len[s] - j : BLOCK, base + j};
+    }
+  const int64_t computed = count;
+  for (int64_t a = 0; a < AHEAD; a++)  // `then` in pieces the size of a block's keys and values
+    blocks[count++] = {then ? then + 2 * a * BLOCK * D : nullptr, then ? then + (2 * a + 1) * BLOCK * D : nullptr,
+                       then ? BLOCK : 0, 0};
+  float* qT = memory + list_floats;
+  float* S = qT + D * TP;
+  float* alpha = S + BLOCK * TP;
+  float* total = alpha + 64;
+  float* running = total + 64;
   const int rows = SCORE_ROWS[TV];
+  int64_t b = 0;
   for (int64_t h = 0; h < H; h++) {
-    const int64_t g = h / group;
     for (int64_t d = 0; d < D; d++)
       for (int64_t t = 0; t < TP; t++) qT[d * TP + t] = t < T ? q[t * q_st + h * D + d] * scale : 0.0f;
-    // Scores, key-major: S[j, t]. The causal part (keys past `start`) is masked before its maximum is
-    // taken, so it is scored one key at a time. Keys KEYS_AHEAD ahead go to L1; this head's values, read
-    // after the softmax, to L2.
-    __m512 mx[4], sum[4], ignored[4];
-    for (int v = 0; v < TV; v++) { mx[v] = _mm512_set1_ps(-__builtin_inff()); sum[v] = _mm512_setzero_ps(); }
-    for (int64_t s = 0, base = 0; s < segments; base += seg_len[s], s++) {
-      const float* keys = seg_keys[s] + g * seg_head_stride[s];
-      const float* values = seg_values[s] + g * seg_head_stride[s];
-      const int64_t unmasked = start + 1 - base < seg_len[s] ? start + 1 - base : seg_len[s];
-      int64_t j = 0;
-      for (; j + rows <= unmasked; j += rows)
-        SCORE_FULL[TV](qT, D, keys + j * D, D, S + (base + j) * TP, mx, keys + (j + KEYS_AHEAD) * D, values + j * D);
-      for (; j < seg_len[s]; j++) {
-        float* row = S + (base + j) * TP;
-        SCORE_ONE[TV](qT, D, keys + j * D, D, row, ignored, nullptr, nullptr);
-        for (int64_t t = 0; t < base + j - start && t < TP; t++) row[t] = -__builtin_inff();  // t sees j <= start + t
-        for (int v = 0; v < TV; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_load_ps(row + v * 16));
-      }
+    for (int v = 0; v < TV; v++) {
+      _mm512_store_ps(running + v * 16, _mm512_set1_ps(-__builtin_inff()));
+      _mm512_store_ps(total + v * 16, _mm512_setzero_ps());
     }
-    for (int64_t j = 0; j < L; j++)
-      for (int v = 0; v < TV; v++) {
-        __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(S + j * TP + v * 16), mx[v]));
-        _mm512_store_ps(S + j * TP + v * 16, e);
-        sum[v] = _mm512_add_ps(sum[v], e);
-      }
-    float inv[64];
-    for (int v = 0; v < TV; v++) _mm512_storeu_ps(inv + v * 16, _mm512_div_ps(_mm512_set1_ps(1.0f), sum[v]));
     float* o = out + h * D;
-    // While the values are summed, the next key head streams into L2 (one 64-byte line per key and 16 dims).
-    const bool last = h + 1 == H, next_group = (h + 1) % group == 0;
-    for (int64_t s = 0, base = 0; s < segments; base += seg_len[s], s++) {
-      const float* values = seg_values[s] + g * seg_head_stride[s];
-      const float* ahead = last ? (then ? then + base * D : nullptr)
-                                : next_group ? seg_keys[s] + (g + 1) * seg_head_stride[s] : nullptr;
-      const float* P = S + base * TP;
-      if (D == 64) values_for_head<4>(P, TP, T, seg_len[s], values, D, o, o_st, ahead, s == 0);
-      else if (D == 128) values_for_head<8>(P, TP, T, seg_len[s], values, D, o, o_st, ahead, s == 0);
-      else values_for_head<2>(P, TP, T, seg_len[s], values, D, o, o_st, ahead, s == 0);
+    for (bool first = true; b < computed && (first || blocks[b].position != 0); b++, first = false) {
+      const Block& block = blocks[b];
+      const Block& ahead = blocks[b + AHEAD < count ? b + AHEAD : count - 1];
+      const int64_t n = block.rows, pf_lines = b + AHEAD < count ? ahead.rows * lines : 0;
+      // Scores; keys past `start` are seen only by the queries at or after them.
+      __m512 mx[4];
+      for (int v = 0; v < TV; v++) mx[v] = _mm512_set1_ps(-__builtin_inff());
+      // Keys past `start` are seen only by the queries at or after them: such a block's maximum is taken
+      // after the masking.
+      const bool masked = block.position + n - 1 > start;
+      __m512 unused[4];
+      __m512* tile_max = masked ? unused : mx;
+      int64_t j = 0, prefetched = 0;
+      for (; j + rows <= n; j += rows, prefetched += D)
+        SCORE_FULL[TV](qT, D, block.keys + j * D, S + j * TP, tile_max, ahead.keys + prefetched * 16,
+                       pf_lines - prefetched);
+      for (; j + 4 <= n; j += 4) SCORE_FOUR[TV](qT, D, block.keys + j * D, S + j * TP, tile_max, nullptr, 0);
+      for (; j < n; j++) SCORE_ONE[TV](qT, D, block.keys + j * D, S + j * TP, tile_max, nullptr, 0);
+      if (masked) {
+        for (int64_t k = start + 1 - block.position > 0 ? start + 1 - block.position : 0; k < n; k++) {
+          const int64_t hidden = block.position + k - start;  // queries t < hidden do not see this key
+          for (int64_t t = 0; t < hidden && t < TP; t++) S[k * TP + t] = -__builtin_inff();
+        }
+        for (int64_t k = 0; k < n; k++)
+          for (int v = 0; v < TV; v++) mx[v] = _mm512_max_ps(mx[v], _mm512_load_ps(S + k * TP + v * 16));
+      }
+      for (; prefetched < pf_lines; prefetched++)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead.keys + prefetched * 16), _MM_HINT_T1);
+      // Online softmax: scale the sums so far by exp(old max - new max), weights relative to the new max.
+      for (int v = 0; v < TV; v++) {
+        const __m512 old = _mm512_load_ps(running + v * 16), top = _mm512_max_ps(old, mx[v]);
+        const __m512 shrink = exp_nonpositive(_mm512_sub_ps(old, top));
+        __m512 sum = _mm512_mul_ps(_mm512_load_ps(total + v * 16), shrink);
+        for (int64_t k = 0; k < n; k++) {
+          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(S + k * TP + v * 16), top));
+          _mm512_store_ps(S + k * TP + v * 16, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        _mm512_store_ps(running + v * 16, top);
+        _mm512_store_ps(total + v * 16, sum);
+        _mm512_store_ps(alpha + v * 16, shrink);
+      }
+      const float* vpf = ahead.values;
+      if (D == 64) block_values<4>(S, TP, T, n, block.values, o, o_st, alpha, first, vpf, pf_lines);
+      else if (D == 128) block_values<8>(S, TP, T, n, block.values, o, o_st, alpha, first, vpf, pf_lines);
+      else block_values<2>(S, TP, T, n, block.values, o, o_st, alpha, first, vpf, pf_lines);
     }
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t t = 0; t < T; t++) {
+      const __m512 inv = _mm512_set1_ps(1.0f / total[t]);
       for (int64_t d = 0; d < D; d += 16)
-        _mm512_storeu_ps(o + t * o_st + d, _mm512_mul_ps(_mm512_loadu_ps(o + t * o_st + d), _mm512_set1_ps(inv[t])));
+        _mm512_storeu_ps(o + t * o_st + d, _mm512_mul_ps(_mm512_loadu_ps(o + t * o_st + d), inv));
+    }
   }
   return 0;
 }

@@ -70,7 +70,8 @@ def test_gemm_reads_strided_rows_and_transposed_weights(kernels: CpuKernels) -> 
 
 @pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim", "start"),
                          [(32, 8, 8, 64, 992), (16, 4, 2, 32, 0), (17, 4, 1, 32, 53), (64, 2, 2, 128, 236),
-                          (40, 6, 3, 64, 1)])
+                          (40, 6, 3, 64, 1), (33, 4, 2, 32, 100), (1, 4, 4, 64, 500), (63, 2, 1, 32, 7),
+                          (64, 2, 2, 64, 0)])
 def test_attention_matches_sdpa(kernels: CpuKernels, tokens: int, heads: int, kv_heads: int, head_dim: int,
                                 start: int) -> None:
     generator = torch.Generator().manual_seed(tokens + start)
@@ -85,6 +86,22 @@ def test_attention_matches_sdpa(kernels: CpuKernels, tokens: int, heads: int, kv
     mask = torch.ones(tokens, length, dtype=torch.bool).tril(start)
     expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
                                               enable_gqa=heads != kv_heads)
+    assert close(out, expected[0].transpose(0, 1).reshape(tokens, -1))
+
+
+def test_attention_rescales_when_later_keys_score_higher(kernels: CpuKernels) -> None:
+    """Keys whose scores grow with position: the running maximum rises in every block of the online softmax,
+    so each block rescales what the earlier ones summed."""
+    generator = torch.Generator().manual_seed(5)
+    tokens, heads, head_dim, length = 20, 2, 64, 400
+    q = torch.randn(tokens, heads, head_dim, generator=generator).abs()
+    growth = torch.linspace(0.0, 3.0, length).view(1, 1, length, 1)
+    keys = torch.rand(1, heads, length, head_dim, generator=generator) * growth
+    values = torch.randn(1, heads, length, head_dim, generator=generator)
+    out = torch.empty(tokens, heads * head_dim)
+    assert kernels.attention(q, [(keys, values)], length - tokens, 0.125, out)
+    mask = torch.ones(tokens, length, dtype=torch.bool).tril(length - tokens)
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask, scale=0.125)
     assert close(out, expected[0].transpose(0, 1).reshape(tokens, -1))
 
 
