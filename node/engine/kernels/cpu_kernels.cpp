@@ -3,8 +3,9 @@
 // A resumed prompt runs its new tokens (tens, not thousands) through every weight once: the matrices
 // come from memory cold, and a library GEMM that first packs them and then computes leaves the memory
 // stream and the arithmetic serial. Here weights are packed once at load time into contiguous panels
-// and each GEMM prefetches the next panel while it computes on this one. Attention of a few queries
-// over a long cached history runs queries across the vector lanes, so keys stream once per head.
+// and each GEMM prefetches a panel further on while it computes on this one. Attention of a few queries
+// over a long cached history runs queries across the vector lanes in one pass per head (an online softmax),
+// so keys and values stream once, a few blocks ahead of the arithmetic.
 //
 // Layouts are written next to each function; every pointer is float32, every stride in elements. Prefetches
 // never fault, so a prefetch past the end of a buffer is harmless.
@@ -19,6 +20,7 @@ namespace {
 constexpr int64_t NR = 32;  // panel width: two vectors of output columns
 constexpr int64_t MR = 64;  // rows of A handled per block
 constexpr int MAX_TILE = 12;  // rows per register tile: 12 x 2 accumulators
+constexpr int64_t PANELS_AHEAD = 2;  // a GEMM computes on one panel while this one further on streams in
 
 inline __m512 exp512(__m512 x) {
   // exp(x) = 2^n * 2^f, n = round(x log2 e), |f| <= 0.5, 2^f by its Taylor series to degree 7
@@ -83,23 +85,24 @@ float* scratch(int64_t floats) {
 }
 
 // C[R rows, 32 cols] (=|+=) At[k, R] . panel[k, 32], k over all K. At holds A transposed, MR floats a
-// row. While computing, tile `ti` of `nt` prefetches every nt-th row of the next panel.
+// row. Every `every` steps of k it also prefetches the next 32 floats of `pf` (none when null).
 template <int R>
 void gemm_tile(const float* At, const float* panel, int64_t K, float* C, int64_t ldc, __mmask16 m0, __mmask16 m1,
-               bool accumulate, const float* bias, const float* next, int ti, int nt) {
+               bool accumulate, const float* bias, const float* pf, int every) {
   __m512 c0[R], c1[R];
   for (int r = 0; r < R; r++) {
     c0[r] = accumulate ? _mm512_maskz_loadu_ps(m0, C + r * ldc) : _mm512_setzero_ps();
     c1[r] = accumulate ? _mm512_maskz_loadu_ps(m1, C + r * ldc + 16) : _mm512_setzero_ps();
   }
-  int phase = nt - ti;  // counts down to the rows of `next` this tile prefetches: every nt-th from ti
+  int phase = every;
   for (int64_t k = 0; k < K; k++) {
     __m512 b0 = _mm512_load_ps(panel + k * NR), b1 = _mm512_load_ps(panel + k * NR + 16);
     if (--phase == 0) {
-      phase = nt;
-      if (next) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + k * NR), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(next + k * NR + 16), _MM_HINT_T1);
+      phase = every;
+      if (pf) {
+        _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(pf + 16), _MM_HINT_T1);
+        pf += NR;
       }
     }
     const float* a = At + k * MR;
@@ -118,7 +121,7 @@ void gemm_tile(const float* At, const float* panel, int64_t K, float* C, int64_t
 }
 
 using gemm_tile_fn = void (*)(const float*, const float*, int64_t, float*, int64_t, __mmask16, __mmask16, bool,
-                              const float*, const float*, int, int);
+                              const float*, const float*, int);
 const gemm_tile_fn GEMM_TILES[MAX_TILE + 1] = {
     nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>, gemm_tile<5>, gemm_tile<6>,
     gemm_tile<7>, gemm_tile<8>, gemm_tile<9>, gemm_tile<10>, gemm_tile<11>, gemm_tile<12>};
@@ -231,8 +234,9 @@ void tz_pack(const float* W, int64_t K, int64_t N, int64_t stride_n, int64_t str
 }
 
 // C[M, N] = A[M, K] . B + bias (or C += when accumulate), B packed by tz_pack. Rows of A and C are lda
-// and ldc apart; bias may be null. `then` (may be null) is what the caller reads next: its first K * 32
-// floats are prefetched during the last panel, so the next kernel does not start on cold memory.
+// and ldc apart; bias may be null. `then` (may be null) is what the caller reads next: its first
+// PANELS_AHEAD * K * 32 floats are prefetched during the last panels, so the next kernel does not start on
+// cold memory.
 void tz_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const float* packed, int64_t N, float* C,
              int64_t ldc, const float* bias, int accumulate, const float* then) {
   float* At = scratch(K * MR);
@@ -245,14 +249,16 @@ void tz_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const float* pac
     const int nt = static_cast<int>((rows + MAX_TILE - 1) / MAX_TILE);
     for (int64_t p = 0; p < panels; p++) {
       const float* panel = packed + p * K * NR;
-      const float* next = p + 1 < panels ? panel + K * NR : (m0 + MR >= M ? then : nullptr);
+      // The panel PANELS_AHEAD on (past the last one: `then`), in one contiguous share per tile.
+      const float* next = p + PANELS_AHEAD < panels ? panel + PANELS_AHEAD * K * NR
+                          : m0 + MR >= M && then ? then + (p + PANELS_AHEAD - panels) * K * NR : nullptr;
       const int64_t n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
       const __mmask16 m0mask = lanes(width), m1mask = width > 16 ? lanes(width - 16) : 0;
       int64_t i = 0;
       for (int ti = 0; ti < nt; ti++) {
         const int64_t r = (rows - i) / (nt - ti);  // tiles of nearly equal height
         GEMM_TILES[r](At + i, panel, K, C + (m0 + i) * ldc + n0, ldc, m0mask, m1mask, accumulate != 0,
-                      bias ? bias + n0 : nullptr, next, ti, nt);
+                      bias ? bias + n0 : nullptr, next ? next + ti * ((K + nt - 1) / nt) * NR : nullptr, nt);
         i += r;
       }
     }
