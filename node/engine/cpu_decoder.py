@@ -9,7 +9,10 @@ Chunks longer than `MAX_TOKENS` (cold prefill) stay on transformers' forward, wh
 their best on long inputs.
 
 Only the last position's logits are wanted, so the last layer runs attention, output projection and MLP
-for that one row; earlier rows of the last layer feed nothing but their K/V, which it still writes.
+for that one row; earlier rows of the last layer feed nothing but their K/V, which it still writes. The
+output head itself runs only when the caller asks: the greedy token comes from a screen of the head's
+bfloat16-truncated weights and an exact recomputation of the rows the screen cannot rule out, which reads
+half the head's bytes and picks exactly the token the full float32 logits would (see `tz_head_argmax`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache, LlamaForCausalLM
 
 from cache.working_cache import GrowableKVLayer
-from node.engine.cpu_kernels import CpuKernels, PackedWeight
+from node.engine.cpu_kernels import CpuKernels, PackedHead, PackedWeight
+from node.engine.prediction import Prediction
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,26 @@ HEAD_DIMS = (32, 64, 128)
 AGREEMENT = 1e-4
 """Largest |difference| from transformers' logits, relative to the largest |logit|: float32 sums in
 another order differ by about 1e-6."""
+
+
+class HeadPrediction(Prediction):
+    """The final normed hidden state of the last position, with the packed head to score it on demand."""
+
+    def __init__(self, kernels: CpuKernels, head: PackedHead, hidden: torch.Tensor) -> None:
+        self._kernels, self._head, self._hidden = kernels, head, hidden
+        self._logits: torch.Tensor | None = None
+
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = self._kernels.head_logits(self._hidden, self._head)
+        return self._logits
+
+    def greedy(self) -> int:
+        if self._logits is None:
+            index = self._kernels.head_argmax(self._hidden, self._head)
+            if index is not None:
+                return index
+        return int(torch.argmax(self.logits()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +111,7 @@ class CpuDecoder:
         self._embed = body.embed_tokens.weight
         self._final_norm = body.norm.weight.detach().contiguous()
         self._layers = [self._pack_layer(layer) for layer in body.layers]
-        self._head = kernels.pack(model.lm_head.weight, getattr(model.lm_head, "bias", None))
+        self._head = kernels.pack_head(model.lm_head.weight, getattr(model.lm_head, "bias", None))
 
     @classmethod
     def build(cls, model: Any, kernels: CpuKernels | None) -> CpuDecoder | None:
@@ -128,8 +152,8 @@ class CpuDecoder:
                             generator=generator).tolist()
         cache = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([ids[:8]]), cache=cache, use_cache=True)
-        chunk = self.forward(ids[8:-1], 8, cache)
-        step = self.forward(ids[-1:], len(ids) - 1, cache)
+        chunk = self.forward(ids[8:-1], 8, cache).logits()
+        step = self.forward(ids[-1:], len(ids) - 1, cache).logits()
         for got, length in ((chunk, len(ids) - 1), (step, len(ids))):
             expected = model(input_ids=torch.tensor([ids[:length]]), logits_to_keep=1).logits[0, -1]
             if float((got - expected).abs().max()) > AGREEMENT * max(1.0, float(expected.abs().max())):
@@ -137,7 +161,7 @@ class CpuDecoder:
         return True
 
     def _attention(self, q: torch.Tensor, layer: Any, segments: list[tuple[torch.Tensor, torch.Tensor]], start: int,
-                   out: torch.Tensor, then: PackedWeight) -> None:
+                   out: torch.Tensor, then: PackedWeight | PackedHead) -> None:
         """q `[T, heads, head_dim]` at positions `start..` over the layer's K/V `segments` (pieces
         `[1, kv_heads, n, head_dim]` in position order) -> out `[T, heads * head_dim]`."""
         tokens = q.shape[0]
@@ -153,12 +177,12 @@ class CpuDecoder:
                                                 scale=self.scale, enable_gqa=self.heads != self.kv_heads)
         out.copy_(result[0].transpose(0, 1).reshape(tokens, -1))
 
-    def forward(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
+    def forward(self, ids: list[int], start: int, cache: DynamicCache) -> HeadPrediction:
         """Run `ids` at positions `[start, start + len)`, writing their K/V into `cache`; returns the last
-        position's logits `[vocab]`."""
-        logits = self._run(ids, start, cache, want_logits=True)
-        assert logits is not None
-        return logits
+        position's prediction (its logits are computed when asked for)."""
+        hidden = self._run(ids, start, cache, want_logits=True)
+        assert hidden is not None
+        return HeadPrediction(self._kernels, self._head, hidden)
 
     def extend(self, ids: list[int], start: int, cache: DynamicCache) -> None:
         """Write the K/V of `ids` into `cache` and nothing else: the last layer's attention, MLP and the
@@ -167,6 +191,7 @@ class CpuDecoder:
 
     @torch.inference_mode()
     def _run(self, ids: list[int], start: int, cache: DynamicCache, want_logits: bool) -> torch.Tensor | None:
+        """The last position's final normed hidden state `[hidden]` (None when not `want_logits`)."""
         kernels, tokens = self._kernels, len(ids)
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
@@ -209,9 +234,7 @@ class CpuDecoder:
             kernels.gemm(activated, layer.down, hidden, accumulate=True, then=following[index])
         last = torch.empty(1, self.hidden)
         kernels.rmsnorm(hidden[-1:], self._final_norm, self.final_eps, last)
-        logits = torch.empty(1, self._head.out_features)
-        kernels.gemm(last, self._head, logits)
-        return logits[0]
+        return last[0]
 
 
 DECODERS: dict[type, type[CpuDecoder]] = {LlamaForCausalLM: CpuDecoder}

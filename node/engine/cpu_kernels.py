@@ -36,6 +36,9 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "tz_gemm": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int, _ptr], None),
     "tz_attention": ([_ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _f32, _ptr,
                       _i64, _ptr], ctypes.c_int),
+    "tz_pack_head": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr], None),
+    "tz_head_logits": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr], None),
+    "tz_head_argmax": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64], _i64),
     "tz_rmsnorm": ([_ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64], None),
     "tz_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
     "tz_silu_mul": ([_ptr, _i64, _i64, _ptr], None),
@@ -52,11 +55,39 @@ class PackedWeight:
     bias: torch.Tensor | None
 
 
-def _aligned_empty(floats: int) -> torch.Tensor:
-    spare = ALIGNMENT // 4
-    raw = torch.empty(floats + spare, dtype=torch.float32)
-    offset = (-raw.data_ptr() % ALIGNMENT) // 4
-    return raw[offset:offset + floats]
+@dataclass(frozen=True, slots=True)
+class PackedHead:
+    """An output head `[out, in]` as the two 16-bit halves of each float32 weight, in panels of 32 rows:
+    `hi` alone is every weight truncated to bfloat16, which screens all rows for the greedy token at half
+    the memory traffic; `hi` and `lo` together are the exact weights (same bytes as float32 in all)."""
+
+    hi: torch.Tensor
+    lo: torch.Tensor
+    slack: torch.Tensor
+    """float64 `[out]`: times |x|, how far a row's screened logit can be from its exact one."""
+    bias: torch.Tensor | None
+    bias_slack: torch.Tensor | None
+    in_features: int
+    out_features: int
+
+
+MAX_CANDIDATES = 64
+"""Rows the greedy screen recomputes exactly at most; beyond that the full logits are cheaper to reason about."""
+
+
+def _aligned_empty(count: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    size = torch.empty(0, dtype=dtype).element_size()
+    spare = ALIGNMENT // size
+    raw = torch.empty(count + spare, dtype=dtype)
+    offset = (-raw.data_ptr() % ALIGNMENT) // size
+    return raw[offset:offset + count]
+
+
+def _start(weight: PackedWeight | PackedHead | None) -> int | None:
+    """Where a kernel reading `weight` starts reading (a head's screen reads `hi` first)."""
+    if weight is None:
+        return None
+    return (weight.hi if isinstance(weight, PackedHead) else weight.data).data_ptr()
 
 
 def _contiguous_rows(tensor: torch.Tensor) -> bool:
@@ -82,19 +113,57 @@ class CpuKernels:
         packed_bias = None if bias is None else bias.detach().float().contiguous()
         return PackedWeight(data, in_features, out_features, packed_bias)
 
+    def pack_head(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedHead:
+        """Pack an output head `weight` `[out, in]` (any strides) for `head_logits` and `head_argmax`."""
+        weight = weight.detach().float()
+        out_features, in_features = weight.shape
+        words = self._lib.tz_packed_floats(in_features, out_features)
+        hi, lo = _aligned_empty(words, torch.int16), _aligned_empty(words, torch.int16)
+        slack = torch.empty(out_features, dtype=torch.float64)
+        self._lib.tz_pack_head(weight.data_ptr(), in_features, out_features, weight.stride(0), weight.stride(1),
+                               hi.data_ptr(), lo.data_ptr(), slack.data_ptr())
+        packed_bias = bias_slack = None
+        if bias is not None:
+            packed_bias = bias.detach().float().contiguous()
+            unit = 2.0 ** -24
+            gamma = (in_features + 1) * unit / (1 - (in_features + 1) * unit)
+            bias_slack = 2 * gamma * packed_bias.double().abs()
+        return PackedHead(hi, lo, slack, packed_bias, bias_slack, in_features, out_features)
+
+    def head_logits(self, x: torch.Tensor, head: PackedHead) -> torch.Tensor:
+        """Logits `[out]` of one row x `[in]` (contiguous), in float32."""
+        assert x.is_contiguous() and _contiguous_rows(x) and x.numel() == head.in_features
+        logits = torch.empty(head.out_features)
+        self._lib.tz_head_logits(x.data_ptr(), head.in_features, head.hi.data_ptr(), head.lo.data_ptr(),
+                                 head.out_features, None if head.bias is None else head.bias.data_ptr(),
+                                 logits.data_ptr())
+        return logits
+
+    def head_argmax(self, x: torch.Tensor, head: PackedHead) -> int | None:
+        """The index `torch.argmax(head_logits(x, head))` gives, from the truncated weights of every row and the
+        exact weights of the few rows they cannot rule out; None where the screen cannot decide (a non-finite
+        value, or more than MAX_CANDIDATES rows left), and then the caller takes the full logits."""
+        assert x.is_contiguous() and _contiguous_rows(x) and x.numel() == head.in_features
+        screen = torch.empty(head.out_features)
+        index = self._lib.tz_head_argmax(x.data_ptr(), head.in_features, head.hi.data_ptr(), head.lo.data_ptr(),
+                                         head.out_features, None if head.bias is None else head.bias.data_ptr(),
+                                         head.slack.data_ptr(),
+                                         None if head.bias_slack is None else head.bias_slack.data_ptr(),
+                                         screen.data_ptr(), MAX_CANDIDATES)
+        return None if index < 0 else int(index)
+
     def gemm(self, x: torch.Tensor, weight: PackedWeight, out: torch.Tensor, accumulate: bool = False,
-             then: PackedWeight | None = None) -> None:
+             then: PackedWeight | PackedHead | None = None) -> None:
         """`out[M, out] (+)= x[M, in] @ weight.T + bias`; rows of x and out may be strided. `then`, the weight
         the caller multiplies by next, has its first panel prefetched meanwhile."""
         assert _contiguous_rows(x) and _contiguous_rows(out) and x.shape[1] == weight.in_features
         assert out.shape == (x.shape[0], weight.out_features)
         bias = weight.bias.data_ptr() if weight.bias is not None else None
         self._lib.tz_gemm(x.data_ptr(), x.shape[0], weight.in_features, x.stride(0), weight.data.data_ptr(),
-                          weight.out_features, out.data_ptr(), out.stride(0), bias, int(accumulate),
-                          None if then is None else then.data.data_ptr())
+                          weight.out_features, out.data_ptr(), out.stride(0), bias, int(accumulate), _start(then))
 
     def attention(self, q: torch.Tensor, segments: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int,
-                  scale: float, out: torch.Tensor, then: PackedWeight | None = None) -> bool:
+                  scale: float, out: torch.Tensor, then: PackedWeight | PackedHead | None = None) -> bool:
         """Causal attention of q `[T, heads, head_dim]` at positions `start..start+T-1` into out
         `[T, heads * head_dim]`, over keys and values given as pieces in position order, each
         `[1, kv_heads, n, head_dim]` with contiguous rows (a restored prefix and the working buffer need not
@@ -115,7 +184,7 @@ class CpuKernels:
         lengths = (ctypes.c_int64 * count)(*(k.shape[2] for k, _ in segments))
         status = self._lib.tz_attention(q.data_ptr(), tokens, heads, kv_heads, head_dim, q.stride(0), count,
                                         key_pointers, value_pointers, head_strides, lengths, start, scale,
-                                        out.data_ptr(), out.stride(0), None if then is None else then.data.data_ptr())
+                                        out.data_ptr(), out.stride(0), _start(then))
         return bool(status == 0)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ from node.engine import mamba1, mamba2
 from node.engine.cpu_decoder import CpuDecoder
 from node.engine.cpu_kernels import load_kernels
 from node.engine.cpu_layout import transpose_linear_weights
+from node.engine.prediction import Logits, Prediction
 from node.engine.reuse_check import check_reuse
 from node.engine.synthetic import ARCHITECTURES, ensure_default_model
 
@@ -45,15 +46,15 @@ class LoadedModel:
     decoder: CpuDecoder | None = None
     """The CPU kernels' forward for short chunks, where the model has one and the node runs on one thread."""
 
-    def forward(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
-        """Run `ids` at positions `[start, start + len)` into `cache`; returns the last position's logits
-        `[vocab]` in float32."""
+    def forward(self, ids: list[int], start: int, cache: DynamicCache) -> Prediction:
+        """Run `ids` at positions `[start, start + len)` into `cache`; returns the last position's prediction
+        (logits `[vocab]` in float32 on demand)."""
         if self.decoder is not None and self.decoder.takes(len(ids)):
             return self.decoder.forward(ids, start, cache)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
         out = self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float()
+        return Logits(out.logits[0, -1].float())
 
     def extend(self, ids: list[int], start: int, cache: DynamicCache) -> None:
         """Run `ids` into `cache` when no logits are wanted (the reply's last token, fed for its state)."""

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from cache.adapters import ModelStateAdapter
+from node.engine.prediction import Prediction
 
 PREFIX, SUFFIX = 48, 16
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
@@ -29,8 +30,8 @@ class ReuseCheck:
     relative_difference: float
 
 
-Forward = Callable[[list[int], int, Any], torch.Tensor]
-"""(ids, start position, working cache) -> the last position's logits `[vocab]`: the engine's forward."""
+Forward = Callable[[list[int], int, Any], Prediction]
+"""(ids, start position, working cache) -> the last position's prediction: the engine's forward."""
 
 
 @torch.inference_mode()
@@ -40,12 +41,12 @@ def check_reuse(forward: Forward, state: ModelStateAdapter, vocab_size: int, dty
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(min(100, vocab_size - 1), vocab_size, (PREFIX + SUFFIX,), generator=generator).tolist()
     whole, _ = state.new_cache(PREFIX + SUFFIX)
-    expected = forward(ids, 0, whole)
+    expected = forward(ids, 0, whole).logits()
     work, _ = state.new_cache(PREFIX + SUFFIX)
     forward(ids[:PREFIX], 0, work)
     spans, snapshot = [(state.extract(work, 0, PREFIX), PREFIX)], state.snapshot(work)
     resumed, _ = state.new_cache(PREFIX + SUFFIX)
     state.restore(resumed, spans, snapshot=snapshot, position=PREFIX)
-    got = forward(ids[PREFIX:], PREFIX, resumed)
+    got = forward(ids[PREFIX:], PREFIX, resumed).logits()
     difference = float((got - expected).abs().max() / expected.abs().max().clamp(min=1.0))
     return ReuseCheck(difference <= TOLERANCE.get(dtype, HALF_TOLERANCE), difference)

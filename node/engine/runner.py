@@ -21,6 +21,7 @@ from cache.radix_tree import common_prefix_length
 from cache.snapshot_policy import SnapshotPolicy
 from node.engine.detokenizer import Detokenizer
 from node.engine.loader import LoadedModel
+from node.engine.prediction import Prediction
 from node.engine.sampling import Sampler, SamplingParams
 
 
@@ -74,24 +75,24 @@ class Runner:
                 and (state.needs_snapshots or not self.policy.anywhere))
 
     def _prefill(self, prompt: list[int], start: int, cache: DynamicCache, snapshot_at: list[int]
-                 ) -> tuple[torch.Tensor, dict[int, Snapshot]]:
-        """Run `prompt[start:]` in chunks ending on every snapshot position; returns the last logits and
-        the snapshots taken."""
+                 ) -> tuple[Prediction, dict[int, Snapshot]]:
+        """Run `prompt[start:]` in chunks ending on every snapshot position; returns the last position's
+        prediction and the snapshots taken."""
         stops = sorted(set(snapshot_at) | set(range(start + self.prefill_chunk, len(prompt), self.prefill_chunk))
                        | {len(prompt)})
         wanted = set(snapshot_at)
         snapshots: dict[int, Snapshot] = {}
-        logits: torch.Tensor | None = None
+        prediction: Prediction | None = None
         position = start
         for stop in stops:
             if stop <= position:
                 continue
-            logits = self.loaded.forward(prompt[position:stop], position, cache)
+            prediction = self.loaded.forward(prompt[position:stop], position, cache)
             position = stop
             if stop in wanted and self.loaded.state is not None:
                 snapshots[stop] = self.loaded.state.snapshot(cache)
-        assert logits is not None
-        return logits, snapshots
+        assert prediction is not None
+        return prediction, snapshots
 
 
     @torch.inference_mode()
@@ -101,9 +102,10 @@ class Runner:
         Returns (logits `[vocab]`, tokens restored).
         """
         cache, restored, matched = self._restore(scope, prompt, capacity=len(prompt))
-        logits, snapshots = self._prefill(prompt, restored, cache, self._snapshot_plan(prompt, (), restored, matched))
+        prediction, snapshots = self._prefill(prompt, restored, cache,
+                                              self._snapshot_plan(prompt, (), restored, matched))
         self._store(scope, prompt, cache, snapshots)
-        return logits, restored
+        return prediction.logits(), restored
 
     def _snapshot_plan(self, prompt: list[int], boundaries: tuple[int, ...], start: int, matched: int) -> list[int]:
         if not self._takes_snapshots:
@@ -147,15 +149,15 @@ class Runner:
         started = time.perf_counter()
         params, prompt = request.params, request.prompt
         cache, restored, matched = self._restore(request.scope, prompt, capacity=len(prompt) + params.max_tokens)
-        logits, snapshots = self._prefill(prompt, restored, cache,
-                                          self._snapshot_plan(prompt, request.boundaries, restored, matched))
+        prediction, snapshots = self._prefill(prompt, restored, cache,
+                                              self._snapshot_plan(prompt, request.boundaries, restored, matched))
         sampler = Sampler(params)
         detok = Detokenizer(self.loaded.tokenizer, params.stop)
         output: list[int] = []
         finish_reason = "length"
         ttft = 0.0
         while len(output) < params.max_tokens:
-            token = sampler.next_token(logits)
+            token = sampler.next_token(prediction)
             output.append(token)
             delta = detok.push(token)
             if len(output) == 1:
@@ -173,7 +175,7 @@ class Runner:
                 finish_reason = "cancelled"
                 break
             if len(output) < params.max_tokens:
-                logits = self.loaded.forward([token], len(prompt) + len(output) - 1, cache)
+                prediction = self.loaded.forward([token], len(prompt) + len(output) - 1, cache)
         tail = detok.flush()
         if tail:
             emit(tail)

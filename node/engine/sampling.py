@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from node.engine.prediction import Prediction
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -31,11 +33,11 @@ class Sampler:
         else:
             self._generator.manual_seed(params.seed)
 
-    def next_token(self, logits: torch.Tensor) -> int:
-        """`logits`: `[vocab]` for the last position."""
+    def next_token(self, prediction: Prediction) -> int:
+        """The token after the last position of `prediction`'s forward."""
         if self.params.greedy:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
+            return prediction.greedy()
+        probs = torch.softmax(prediction.logits().float().cpu() / self.params.temperature, dim=-1)
         if self.params.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs

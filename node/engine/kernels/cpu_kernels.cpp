@@ -11,6 +11,7 @@
 // never fault, so a prefetch past the end of a buffer is harmless.
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -183,6 +184,44 @@ const score_fn SCORE_ONE[5] = {nullptr, score_tile<1, 1>, score_tile<1, 2>, scor
 constexpr int64_t BLOCK = 48;  // keys per step of the online softmax: a multiple of every SCORE_ROWS
 constexpr int64_t AHEAD = 2;  // blocks between the one computed and the one prefetched
 
+// The output head is stored as the two 16-bit halves of each float32 weight: `hi` alone is the weight with
+// its mantissa truncated to bfloat16 (never larger in magnitude), `hi` and `lo` together are the weight.
+// Panels are [ceil(N/32), K, 32] words; within a row, word p holds the column that unpacking 16-bit words
+// into 32-bit lanes (per 128-bit lane: words 0-3 to the low vector, 4-7 to the high one) puts at p's place,
+// so the two vectors come out as columns 0-15 and 16-31.
+constexpr int64_t head_column(int64_t p) { return (p % 8 < 4 ? 0 : 16) + (p / 8) * 4 + p % 4; }
+
+// out[0, width) = bias + sum_k W[k, column] * x[k] for one head panel: W from `hi` and `lo`, or from `hi`
+// alone (the truncated weights) when `lo` is null. The same code, so the same float32 sums, serves the full
+// logits and the exact recomputation of the screened candidates. One line each of `pf_hi` and `pf_lo`
+// (null: none) is prefetched per step of k.
+void head_panel(const float* x, int64_t K, const uint16_t* hi, const uint16_t* lo, const float* bias, int64_t width,
+                float* out, const uint16_t* pf_hi, const uint16_t* pf_lo) {
+  const __mmask16 m0 = lanes(width), m1 = width > 16 ? lanes(width - 16) : 0;
+  __m512 a0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+  __m512 a1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();  // odd k: two chains halve the FMA latency
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k++) {
+    if (pf_hi) _mm_prefetch(reinterpret_cast<const char*>(pf_hi + k * NR), _MM_HINT_T1);
+    if (pf_lo) _mm_prefetch(reinterpret_cast<const char*>(pf_lo + k * NR), _MM_HINT_T1);
+    const __m512i h = _mm512_load_si512(hi + k * NR);
+    const __m512i l = lo ? _mm512_load_si512(lo + k * NR) : zero;
+    const __m512 w0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l, h));
+    const __m512 w1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l, h));
+    const __m512 xb = _mm512_set1_ps(x[k]);
+    if (k & 1) {
+      b0 = _mm512_fmadd_ps(w0, xb, b0);
+      b1 = _mm512_fmadd_ps(w1, xb, b1);
+    } else {
+      a0 = _mm512_fmadd_ps(w0, xb, a0);
+      a1 = _mm512_fmadd_ps(w1, xb, a1);
+    }
+  }
+  _mm512_mask_storeu_ps(out, m0, _mm512_add_ps(a0, b0));
+  _mm512_mask_storeu_ps(out + 16, m1, _mm512_add_ps(a1, b1));
+}
+
 constexpr int below(int rows, int limit) { return rows < limit ? rows : 1; }
 
 // The values of one block for every query: tiles of RT queries, the remainder in one smaller tile.
@@ -265,6 +304,104 @@ void tz_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const float* pac
   }
 }
 
+// Packs the output head W[n, k] (element at W[n * stride_n + k * stride_k]) into `hi` and `lo` panels (see
+// head_panel), zero past N, and writes slack[n] = |w_n - hi_n| + 2 gamma |w_n| (Euclidean norms, gamma =
+// (K + 1) u / (1 - (K + 1) u), u = 2^-24): times |x| it bounds how far the screened logit of row n can lie
+// from the exact one (float32 sums of K + 1 terms in any order, and the truncated weights), bias aside.
+void tz_pack_head(const float* W, int64_t K, int64_t N, int64_t stride_n, int64_t stride_k, uint16_t* hi, uint16_t* lo,
+                  double* slack) {
+  const int64_t panels = (N + NR - 1) / NR;
+  const double u = 1.0 / 16777216.0, gamma = (K + 1) * u / (1 - (K + 1) * u);
+  for (int64_t n = 0; n < N; n++) {
+    double norm = 0, residual = 0;
+    for (int64_t k = 0; k < K; k++) {
+      const float w = W[n * stride_n + k * stride_k];
+      uint32_t bits;
+      memcpy(&bits, &w, 4);
+      const uint32_t top = bits & 0xFFFF0000u;
+      float truncated;
+      memcpy(&truncated, &top, 4);
+      norm += static_cast<double>(w) * w;
+      residual += (static_cast<double>(w) - truncated) * (static_cast<double>(w) - truncated);
+    }
+    slack[n] = sqrt(residual) + 2 * gamma * sqrt(norm);
+  }
+  for (int64_t p = 0; p < panels; p++)
+    for (int64_t k = 0; k < K; k++)
+      for (int64_t word = 0; word < NR; word++) {
+        const int64_t n = p * NR + head_column(word);
+        uint32_t bits = 0;
+        if (n < N) memcpy(&bits, &W[n * stride_n + k * stride_k], 4);
+        hi[(p * K + k) * NR + word] = static_cast<uint16_t>(bits >> 16);
+        lo[(p * K + k) * NR + word] = static_cast<uint16_t>(bits & 0xFFFF);
+      }
+}
+
+// logits[N] = W x + bias for a head packed by tz_pack_head (bias may be null).
+void tz_head_logits(const float* x, int64_t K, const uint16_t* hi, const uint16_t* lo, int64_t N, const float* bias,
+                    float* logits) {
+  const int64_t panels = (N + NR - 1) / NR;
+  for (int64_t p = 0; p < panels; p++) {
+    const int64_t ahead = p + PANELS_AHEAD < panels ? (p + PANELS_AHEAD) * K * NR : -1;
+    head_panel(x, K, hi + p * K * NR, lo + p * K * NR, bias ? bias + p * NR : nullptr,
+               N - p * NR < NR ? N - p * NR : NR, logits + p * NR, ahead < 0 ? nullptr : hi + ahead,
+               ahead < 0 ? nullptr : lo + ahead);
+  }
+}
+
+// The index of the largest of the logits tz_head_logits would give (the first one on a tie), reading the
+// `hi` halves of every row and both halves of the few rows that could be the largest: a screened logit s_n
+// lies within b_n = slack[n] |x| + bias_slack[n] of the exact one, so only rows with s_n + b_n at least
+// max_m (s_m - b_m) can hold the maximum. `screen` is scratch for N floats; bias and bias_slack (2 gamma |bias|)
+// may be null. Returns -1 when x or a logit is not finite, -2 when more than max_candidates rows remain;
+// the caller then takes the full logits.
+int64_t tz_head_argmax(const float* x, int64_t K, const uint16_t* hi, const uint16_t* lo, int64_t N, const float* bias,
+                       const double* slack, const double* bias_slack, float* screen, int64_t max_candidates) {
+  double squares = 0;
+  for (int64_t k = 0; k < K; k++) squares += static_cast<double>(x[k]) * x[k];
+  const double norm = sqrt(squares) * (1 + 1e-9);
+  if (!(norm < __builtin_inf())) return -1;
+  const int64_t panels = (N + NR - 1) / NR;
+  for (int64_t p = 0; p < panels; p++) {
+    const int64_t ahead = p + PANELS_AHEAD < panels ? (p + PANELS_AHEAD) * K * NR : -1;
+    head_panel(x, K, hi + p * K * NR, nullptr, bias ? bias + p * NR : nullptr, N - p * NR < NR ? N - p * NR : NR,
+               screen + p * NR, ahead < 0 ? nullptr : hi + ahead, nullptr);
+  }
+  // 1e-9 of margin covers the double arithmetic here; 1e-30 the float32 underflow of tiny products.
+  auto bound = [&](int64_t n) { return (slack[n] * norm + (bias_slack ? bias_slack[n] : 0.0)) * (1 + 1e-9) + 1e-30; };
+  double floor = -__builtin_inf();
+  bool finite = true;
+  for (int64_t n = 0; n < N; n++) {
+    const double s = screen[n];
+    finite &= s - s == 0;
+    floor = s - bound(n) > floor ? s - bound(n) : floor;
+  }
+  if (!finite) return -1;
+  int64_t candidates[64];
+  int64_t found = 0;
+  if (max_candidates > 64) max_candidates = 64;
+  for (int64_t n = 0; n < N; n++)
+    if (screen[n] + bound(n) >= floor) {
+      if (found == max_candidates) return -2;
+      candidates[found++] = n;
+    }
+  float exact[NR];
+  int64_t best = -1, panel = -1;
+  float best_logit = 0;
+  for (int64_t c = 0; c < found; c++) {  // ascending, so the first of equal logits wins
+    const int64_t n = candidates[c];
+    if (n / NR != panel) {
+      panel = n / NR;
+      head_panel(x, K, hi + panel * K * NR, lo + panel * K * NR, bias ? bias + panel * NR : nullptr,
+                 N - panel * NR < NR ? N - panel * NR : NR, exact, nullptr, nullptr);
+    }
+    const float logit = exact[n % NR];
+    if (!(logit - logit == 0)) return -1;
+    if (best < 0 || logit > best_logit) best = n, best_logit = logit;
+  }
+  return best;
+}
+
 // Causal attention of T queries at positions start..start+T-1 over keys 0..L-1 (L = start + T), for H
 // query heads sharing Hkv key/value heads (grouped-query attention), head dim D (32, 64 or 128).
 // q[t, h, d] at q + t * q_st + h * D + d; out[t, h, d] at out + t * o_st + h * D + d. The keys and values
@@ -331,7 +468,7 @@ int tz_attention(const float* q, int64_t T, int64_t H, int64_t Hkv, int64_t D, i
       // Keys past `start` are seen only by the queries at or after them: such a block's maximum is taken
       // after the masking.
       const bool masked = block.position + n - 1 > start;
-      __m512 unused[4];
+      __m512 unused[4] = {};
       __m512* tile_max = masked ? unused : mx;
       int64_t j = 0, prefetched = 0;
       for (; j + rows <= n; j += rows, prefetched += D)

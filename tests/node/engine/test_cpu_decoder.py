@@ -16,6 +16,7 @@ from node.engine.cpu_decoder import MAX_TOKENS, CpuDecoder
 from node.engine.cpu_kernels import CpuKernels
 from node.engine.cpu_layout import transpose_linear_weights
 from node.engine.loader import load_model
+from node.engine.prediction import Logits
 from node.engine.synthetic import init_model
 
 TOLERANCE = 1e-4
@@ -62,7 +63,10 @@ def test_chunks_after_a_prefill_match_one_pass(kernels: CpuKernels, variant: dic
         model(input_ids=torch.tensor([ids[:80]]), cache=cache, use_cache=True)
     position = 80
     for size in (16, 1, 33, 5, MAX_TOKENS, 1):
-        got = decoder.forward(ids[position:position + size], position, cache)
+        prediction = decoder.forward(ids[position:position + size], position, cache)
+        greedy = prediction.greedy()  # screened on the truncated head, before any logits exist
+        got = prediction.logits()
+        assert greedy == int(torch.argmax(got))
         position += size
         expected, reference = full_pass(model, ids[:position])
         assert relative(got, expected) <= TOLERANCE, (size, relative(got, expected))
@@ -80,7 +84,7 @@ def test_extend_writes_the_state_forward_would(kernels: CpuKernels) -> None:
     decoder.forward(ids[:40], 0, cache)
     decoder.extend(ids[40:41], 40, cache)  # a reply's last token, fed only for its state
     decoder.extend(ids[41:58], 41, cache)
-    got = decoder.forward(ids[58:], 58, cache)
+    got = decoder.forward(ids[58:], 58, cache).logits()
     expected, reference = full_pass(model, ids)
     assert relative(got, expected) <= TOLERANCE
     for mine, theirs in zip(cache.layers, reference.layers, strict=True):
@@ -115,6 +119,6 @@ def test_loader_serves_the_small_model_through_the_decoder_on_one_thread(
 def test_a_decoder_that_disagrees_with_transformers_is_not_used(
         kernels: CpuKernels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     directory = init_model("dense", tmp_path / "dense", "small")
-    monkeypatch.setattr(loader.CpuDecoder, "forward", lambda self, ids, start, cache: torch.zeros(32000))
+    monkeypatch.setattr(loader.CpuDecoder, "forward", lambda self, ids, start, cache: Logits(torch.zeros(32000)))
     loaded = load_model("small", directory)
     assert loaded.decoder is None and loaded.state is not None

@@ -58,6 +58,56 @@ def test_gemm_matches_matmul(kernels: CpuKernels, rows: int, inputs: int, output
     assert close(accumulated, base + x @ weight.T + bias)
 
 
+def adversarial_head(generator: torch.Generator, rows: int, inputs: int) -> torch.Tensor:
+    """Random rows, plus rows the truncated weights cannot tell apart: exact copies of another row (ties)
+    and copies that differ from another only in the low 16 bits of each weight."""
+    weight = torch.randn(rows, inputs, generator=generator) * 0.05
+    weight[rows // 2] = weight[3]  # a tie: the first of the two must win
+    nudged = weight[7].clone().view(torch.int32)
+    nudged ^= torch.randint(0, 1 << 16, (inputs,), generator=generator, dtype=torch.int32)
+    weight[rows - 1] = nudged.view(torch.float32)  # same bfloat16 truncation as row 7, other float32
+    return weight
+
+
+@pytest.mark.parametrize(("rows", "inputs", "with_bias"), [(1000, 64, False), (333, 96, True), (32000, 512, False)])
+def test_head_logits_match_the_weights(kernels: CpuKernels, rows: int, inputs: int, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(rows, inputs, generator=generator)
+    bias = torch.randn(rows, generator=generator) if with_bias else None
+    head = kernels.pack_head(weight.t().contiguous().t(), bias)  # a transposed view, as the loader holds it
+    x = torch.randn(inputs, generator=generator)
+    expected = weight @ x + (bias if bias is not None else 0)
+    assert close(kernels.head_logits(x, head), expected)
+
+
+@pytest.mark.parametrize(("rows", "inputs", "with_bias"), [(1000, 64, False), (333, 96, True), (4100, 512, False)])
+def test_head_argmax_is_the_argmax_of_the_exact_logits(kernels: CpuKernels, rows: int, inputs: int,
+                                                        with_bias: bool) -> None:
+    """The screen on truncated weights picks exactly the token of the full float32 logits, ties and rows
+    that only the low bits tell apart included, and decides by itself (no fallback) on random inputs."""
+    generator = torch.Generator().manual_seed(rows + inputs)
+    weight = adversarial_head(generator, rows, inputs)
+    bias = torch.randn(rows, generator=generator) * 0.1 if with_bias else None
+    head = kernels.pack_head(weight, bias)
+    for trial in range(300):
+        x = torch.randn(inputs, generator=generator) * (1 + trial % 7)
+        if trial % 3 == 0:
+            x = weight[[3, 7, rows - 1][trial % 9 // 3]].clone() * 20  # aimed at the tied and nudged rows
+        logits = kernels.head_logits(x, head)
+        assert kernels.head_argmax(x, head) == int(torch.argmax(logits)), trial
+
+
+def test_head_argmax_leaves_undecidable_inputs_to_the_caller(kernels: CpuKernels) -> None:
+    generator = torch.Generator().manual_seed(2)
+    head = kernels.pack_head(torch.randn(500, 64, generator=generator))
+    assert kernels.head_argmax(torch.zeros(64), head) is None  # every logit ties: more candidates than allowed
+    x = torch.randn(64, generator=generator)
+    x[5] = float("nan")
+    assert kernels.head_argmax(x, head) is None
+    x[5] = float("inf")
+    assert kernels.head_argmax(x, head) is None
+
+
 def test_gemm_reads_strided_rows_and_transposed_weights(kernels: CpuKernels) -> None:
     generator = torch.Generator().manual_seed(1)
     weight_t = torch.randn(40, 70, generator=generator)  # [in, out], as TransposedLinear holds it
