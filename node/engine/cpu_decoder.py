@@ -10,9 +10,9 @@ their best on long inputs.
 
 Only the last position's logits are wanted, so the last layer runs attention, output projection and MLP
 for that one row; earlier rows of the last layer feed nothing but their K/V, which it still writes. The
-output head itself runs only when the caller asks: the greedy token comes from a screen of the head's
-bfloat16-truncated weights and an exact recomputation of the rows the screen cannot rule out, which reads
-half the head's bytes and picks exactly the token the full float32 logits would (see `tz_head_argmax`).
+output head itself runs only when the caller asks: the greedy token comes from an int8 screen of the head
+and a float32 recomputation of the rows the screen cannot rule out, which reads a quarter of the head's
+bytes and picks exactly the token the full float32 logits would (see `tz_head_argmax`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ class HeadPrediction(Prediction):
 
     def logits(self) -> torch.Tensor:
         if self._logits is None:
-            self._logits = self._kernels.head_logits(self._hidden, self._head)
+            logits = torch.empty(1, self._head.out_features)
+            self._kernels.gemm(self._hidden.unsqueeze(0), self._head.weight, logits)
+            self._logits = logits[0]
         return self._logits
 
     def greedy(self) -> int:

@@ -36,9 +36,8 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "tz_gemm": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int, _ptr], None),
     "tz_attention": ([_ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _f32, _ptr,
                       _i64, _ptr], ctypes.c_int),
-    "tz_pack_head": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr], None),
-    "tz_head_logits": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr], None),
-    "tz_head_argmax": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64], _i64),
+    "tz_pack_screen": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr], None),
+    "tz_head_argmax": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], _i64),
     "tz_rmsnorm": ([_ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64], None),
     "tz_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
     "tz_silu_mul": ([_ptr, _i64, _i64, _ptr], None),
@@ -57,18 +56,23 @@ class PackedWeight:
 
 @dataclass(frozen=True, slots=True)
 class PackedHead:
-    """An output head `[out, in]` as the two 16-bit halves of each float32 weight, in panels of 32 rows:
-    `hi` alone is every weight truncated to bfloat16, which screens all rows for the greedy token at half
-    the memory traffic; `hi` and `lo` together are the exact weights (same bytes as float32 in all)."""
+    """An output head `[out, in]`: its float32 panels, and a screen of int8 codes over a per-row scale that
+    finds the greedy token at a quarter of the head's memory traffic (`CpuKernels.head_argmax`)."""
 
-    hi: torch.Tensor
-    lo: torch.Tensor
+    weight: PackedWeight
+    codes: torch.Tensor
+    scale: torch.Tensor
     slack: torch.Tensor
-    """float64 `[out]`: times |x|, how far a row's screened logit can be from its exact one."""
-    bias: torch.Tensor | None
+    """float64 `[out]`: times |x|, how far a row's screened logit can be from its float32 one."""
     bias_slack: torch.Tensor | None
-    in_features: int
-    out_features: int
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.out_features
 
 
 MAX_CANDIDATES = 64
@@ -84,10 +88,10 @@ def _aligned_empty(count: int, dtype: torch.dtype = torch.float32) -> torch.Tens
 
 
 def _start(weight: PackedWeight | PackedHead | None) -> int | None:
-    """Where a kernel reading `weight` starts reading (a head's screen reads `hi` first)."""
+    """Where a kernel reading `weight` starts reading (a head's screen reads its codes first)."""
     if weight is None:
         return None
-    return (weight.hi if isinstance(weight, PackedHead) else weight.data).data_ptr()
+    return (weight.codes if isinstance(weight, PackedHead) else weight.data).data_ptr()
 
 
 def _contiguous_rows(tensor: torch.Tensor) -> bool:
@@ -114,40 +118,33 @@ class CpuKernels:
         return PackedWeight(data, in_features, out_features, packed_bias)
 
     def pack_head(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedHead:
-        """Pack an output head `weight` `[out, in]` (any strides) for `head_logits` and `head_argmax`."""
+        """Pack an output head `weight` `[out, in]` (any strides) for `gemm` and `head_argmax`."""
+        packed = self.pack(weight, bias)
         weight = weight.detach().float()
         out_features, in_features = weight.shape
-        words = self._lib.tz_packed_floats(in_features, out_features)
-        hi, lo = _aligned_empty(words, torch.int16), _aligned_empty(words, torch.int16)
+        codes = _aligned_empty(self._lib.tz_packed_floats(in_features, out_features), torch.int8)
+        scale = torch.empty(out_features)
         slack = torch.empty(out_features, dtype=torch.float64)
-        self._lib.tz_pack_head(weight.data_ptr(), in_features, out_features, weight.stride(0), weight.stride(1),
-                               hi.data_ptr(), lo.data_ptr(), slack.data_ptr())
-        packed_bias = bias_slack = None
-        if bias is not None:
-            packed_bias = bias.detach().float().contiguous()
+        self._lib.tz_pack_screen(weight.data_ptr(), in_features, out_features, weight.stride(0), weight.stride(1),
+                                 codes.data_ptr(), scale.data_ptr(), slack.data_ptr())
+        bias_slack = None
+        if packed.bias is not None:
             unit = 2.0 ** -24
             gamma = (in_features + 1) * unit / (1 - (in_features + 1) * unit)
-            bias_slack = 2 * gamma * packed_bias.double().abs()
-        return PackedHead(hi, lo, slack, packed_bias, bias_slack, in_features, out_features)
-
-    def head_logits(self, x: torch.Tensor, head: PackedHead) -> torch.Tensor:
-        """Logits `[out]` of one row x `[in]` (contiguous), in float32."""
-        assert x.is_contiguous() and _contiguous_rows(x) and x.numel() == head.in_features
-        logits = torch.empty(head.out_features)
-        self._lib.tz_head_logits(x.data_ptr(), head.in_features, head.hi.data_ptr(), head.lo.data_ptr(),
-                                 head.out_features, None if head.bias is None else head.bias.data_ptr(),
-                                 logits.data_ptr())
-        return logits
+            bias_slack = 2 * gamma * packed.bias.double().abs()
+        return PackedHead(packed, codes, scale, slack, bias_slack)
 
     def head_argmax(self, x: torch.Tensor, head: PackedHead) -> int | None:
-        """The index `torch.argmax(head_logits(x, head))` gives, from the truncated weights of every row and the
-        exact weights of the few rows they cannot rule out; None where the screen cannot decide (a non-finite
-        value, or more than MAX_CANDIDATES rows left), and then the caller takes the full logits."""
+        """The index `torch.argmax` gives on the logits `gemm(x, head.weight)` computes for one row x `[in]`
+        (contiguous), found from the int8 screen of every row and the float32 weights of the few rows it cannot
+        rule out; None where the screen cannot decide (a non-finite value, or more than MAX_CANDIDATES rows
+        left), and then the caller computes the full logits."""
         assert x.is_contiguous() and _contiguous_rows(x) and x.numel() == head.in_features
         screen = torch.empty(head.out_features)
-        index = self._lib.tz_head_argmax(x.data_ptr(), head.in_features, head.hi.data_ptr(), head.lo.data_ptr(),
-                                         head.out_features, None if head.bias is None else head.bias.data_ptr(),
-                                         head.slack.data_ptr(),
+        bias = head.weight.bias
+        index = self._lib.tz_head_argmax(x.data_ptr(), head.in_features, head.weight.data.data_ptr(),
+                                         head.codes.data_ptr(), head.out_features, head.scale.data_ptr(),
+                                         None if bias is None else bias.data_ptr(), head.slack.data_ptr(),
                                          None if head.bias_slack is None else head.bias_slack.data_ptr(),
                                          screen.data_ptr(), MAX_CANDIDATES)
         return None if index < 0 else int(index)

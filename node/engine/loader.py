@@ -121,6 +121,8 @@ def _cpu_decoder(model: Any, model_id: str) -> CpuDecoder | None:
     if torch.get_num_threads() != 1:
         return None
     weights = sum(m.weight.numel() * 4 for m in model.modules() if hasattr(m, "in_features"))
+    head = getattr(model, "lm_head", None)
+    weights += head.weight.numel() if head is not None else 0  # the head's int8 screen
     available = _available_memory()
     if available is not None and weights > available // 2:
         log.warning("model %s: no room for the CPU kernels' packed weights (%d MiB); using transformers' forward",

@@ -184,42 +184,34 @@ const score_fn SCORE_ONE[5] = {nullptr, score_tile<1, 1>, score_tile<1, 2>, scor
 constexpr int64_t BLOCK = 48;  // keys per step of the online softmax: a multiple of every SCORE_ROWS
 constexpr int64_t AHEAD = 2;  // blocks between the one computed and the one prefetched
 
-// The output head is stored as the two 16-bit halves of each float32 weight: `hi` alone is the weight with
-// its mantissa truncated to bfloat16 (never larger in magnitude), `hi` and `lo` together are the weight.
-// Panels are [ceil(N/32), K, 32] words; within a row, word p holds the column that unpacking 16-bit words
-// into 32-bit lanes (per 128-bit lane: words 0-3 to the low vector, 4-7 to the high one) puts at p's place,
-// so the two vectors come out as columns 0-15 and 16-31.
-constexpr int64_t head_column(int64_t p) { return (p % 8 < 4 ? 0 : 16) + (p / 8) * 4 + p % 4; }
-
-// out[0, width) = bias + sum_k W[k, column] * x[k] for one head panel: W from `hi` and `lo`, or from `hi`
-// alone (the truncated weights) when `lo` is null. The same code, so the same float32 sums, serves the full
-// logits and the exact recomputation of the screened candidates. One line each of `pf_hi` and `pf_lo`
-// (null: none) is prefetched per step of k.
-void head_panel(const float* x, int64_t K, const uint16_t* hi, const uint16_t* lo, const float* bias, int64_t width,
-                float* out, const uint16_t* pf_hi, const uint16_t* pf_lo) {
+// s[0, width) = scale * sum_k codes[k, column] * x[k] (+ bias) for one panel of an output head's screen:
+// int8 codes [K, 32] of each row's weights over a per-row scale. One line of `pf` (null: none) is prefetched
+// every other step of k, which is the rate the codes are read at.
+void screen_panel(const float* x, int64_t K, const int8_t* codes, const float* scale, const float* bias, int64_t width,
+                  float* out, const int8_t* pf) {
   const __mmask16 m0 = lanes(width), m1 = width > 16 ? lanes(width - 16) : 0;
-  __m512 a0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
-  __m512 a1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();  // odd k: two chains halve the FMA latency
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t k = 0; k < K; k++) {
-    if (pf_hi) _mm_prefetch(reinterpret_cast<const char*>(pf_hi + k * NR), _MM_HINT_T1);
-    if (pf_lo) _mm_prefetch(reinterpret_cast<const char*>(pf_lo + k * NR), _MM_HINT_T1);
-    const __m512i h = _mm512_load_si512(hi + k * NR);
-    const __m512i l = lo ? _mm512_load_si512(lo + k * NR) : zero;
-    const __m512 w0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l, h));
-    const __m512 w1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l, h));
-    const __m512 xb = _mm512_set1_ps(x[k]);
-    if (k & 1) {
-      b0 = _mm512_fmadd_ps(w0, xb, b0);
-      b1 = _mm512_fmadd_ps(w1, xb, b1);
-    } else {
-      a0 = _mm512_fmadd_ps(w0, xb, a0);
-      a1 = _mm512_fmadd_ps(w1, xb, a1);
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + k * NR), _MM_HINT_T1);
+    const __m256i even = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + k * NR));
+    const __m512 xe = _mm512_set1_ps(x[k]);
+    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(even))), xe, a0);
+    a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(even, 1))), xe, a1);
+    if (k + 1 < K) {  // two chains halve the FMA latency
+      const __m256i odd = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + (k + 1) * NR));
+      const __m512 xo = _mm512_set1_ps(x[k + 1]);
+      b0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(odd))), xo, b0);
+      b1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(odd, 1))), xo, b1);
     }
   }
-  _mm512_mask_storeu_ps(out, m0, _mm512_add_ps(a0, b0));
-  _mm512_mask_storeu_ps(out + 16, m1, _mm512_add_ps(a1, b1));
+  __m512 s0 = _mm512_mul_ps(_mm512_add_ps(a0, b0), _mm512_maskz_loadu_ps(m0, scale));
+  __m512 s1 = _mm512_mul_ps(_mm512_add_ps(a1, b1), _mm512_maskz_loadu_ps(m1, scale + 16));
+  if (bias) {
+    s0 = _mm512_add_ps(s0, _mm512_maskz_loadu_ps(m0, bias));
+    s1 = _mm512_add_ps(s1, _mm512_maskz_loadu_ps(m1, bias + 16));
+  }
+  _mm512_mask_storeu_ps(out, m0, s0);
+  _mm512_mask_storeu_ps(out + 16, m1, s1);
 }
 
 constexpr int below(int rows, int limit) { return rows < limit ? rows : 1; }
@@ -304,69 +296,54 @@ void tz_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const float* pac
   }
 }
 
-// Packs the output head W[n, k] (element at W[n * stride_n + k * stride_k]) into `hi` and `lo` panels (see
-// head_panel), zero past N, and writes slack[n] = |w_n - hi_n| + 2 gamma |w_n| (Euclidean norms, gamma =
-// (K + 1) u / (1 - (K + 1) u), u = 2^-24): times |x| it bounds how far the screened logit of row n can lie
-// from the exact one (float32 sums of K + 1 terms in any order, and the truncated weights), bias aside.
-void tz_pack_head(const float* W, int64_t K, int64_t N, int64_t stride_n, int64_t stride_k, uint16_t* hi, uint16_t* lo,
-                  double* slack) {
+// The screen of an output head W[n, k] (element at W[n * stride_n + k * stride_k]) for tz_head_argmax:
+// int8 codes in panels [ceil(N/32), K, 32] (zero past N), scale[n] = max_k |W[n, k]| / 127, and slack[n]:
+// times |x| (Euclidean), a bound on how far row n's screened logit lies from the float32 logit tz_gemm gives,
+// bias aside. It adds |scale q_n - w_n| to 2 (gamma + u) (|w_n| + |scale q_n|), u = 2^-24 and gamma =
+// (K + 1) u / (1 - (K + 1) u): the rounding of float32 sums of K + 1 terms in any order, and of the scaling.
+void tz_pack_screen(const float* W, int64_t K, int64_t N, int64_t stride_n, int64_t stride_k, int8_t* codes,
+                    float* scale, double* slack) {
   const int64_t panels = (N + NR - 1) / NR;
   const double u = 1.0 / 16777216.0, gamma = (K + 1) * u / (1 - (K + 1) * u);
+  memset(codes, 0, static_cast<size_t>(panels * K * NR));
   for (int64_t n = 0; n < N; n++) {
-    double norm = 0, residual = 0;
+    float largest = 0;
+    for (int64_t k = 0; k < K; k++) largest = fmaxf(largest, fabsf(W[n * stride_n + k * stride_k]));
+    const float step = largest > 0 ? largest / 127 : 1.0f;
+    double norm = 0, coded = 0, residual = 0;
     for (int64_t k = 0; k < K; k++) {
       const float w = W[n * stride_n + k * stride_k];
-      uint32_t bits;
-      memcpy(&bits, &w, 4);
-      const uint32_t top = bits & 0xFFFF0000u;
-      float truncated;
-      memcpy(&truncated, &top, 4);
+      const float q = fminf(127.0f, fmaxf(-127.0f, nearbyintf(w / step)));
+      codes[((n / NR) * K + k) * NR + n % NR] = static_cast<int8_t>(q);
+      const double approx = static_cast<double>(step) * q;
       norm += static_cast<double>(w) * w;
-      residual += (static_cast<double>(w) - truncated) * (static_cast<double>(w) - truncated);
+      coded += approx * approx;
+      residual += (approx - w) * (approx - w);
     }
-    slack[n] = sqrt(residual) + 2 * gamma * sqrt(norm);
-  }
-  for (int64_t p = 0; p < panels; p++)
-    for (int64_t k = 0; k < K; k++)
-      for (int64_t word = 0; word < NR; word++) {
-        const int64_t n = p * NR + head_column(word);
-        uint32_t bits = 0;
-        if (n < N) memcpy(&bits, &W[n * stride_n + k * stride_k], 4);
-        hi[(p * K + k) * NR + word] = static_cast<uint16_t>(bits >> 16);
-        lo[(p * K + k) * NR + word] = static_cast<uint16_t>(bits & 0xFFFF);
-      }
-}
-
-// logits[N] = W x + bias for a head packed by tz_pack_head (bias may be null).
-void tz_head_logits(const float* x, int64_t K, const uint16_t* hi, const uint16_t* lo, int64_t N, const float* bias,
-                    float* logits) {
-  const int64_t panels = (N + NR - 1) / NR;
-  for (int64_t p = 0; p < panels; p++) {
-    const int64_t ahead = p + PANELS_AHEAD < panels ? (p + PANELS_AHEAD) * K * NR : -1;
-    head_panel(x, K, hi + p * K * NR, lo + p * K * NR, bias ? bias + p * NR : nullptr,
-               N - p * NR < NR ? N - p * NR : NR, logits + p * NR, ahead < 0 ? nullptr : hi + ahead,
-               ahead < 0 ? nullptr : lo + ahead);
+    scale[n] = step;
+    slack[n] = sqrt(residual) + 2 * (gamma + u) * (sqrt(norm) + sqrt(coded));
   }
 }
 
-// The index of the largest of the logits tz_head_logits would give (the first one on a tie), reading the
-// `hi` halves of every row and both halves of the few rows that could be the largest: a screened logit s_n
-// lies within b_n = slack[n] |x| + bias_slack[n] of the exact one, so only rows with s_n + b_n at least
-// max_m (s_m - b_m) can hold the maximum. `screen` is scratch for N floats; bias and bias_slack (2 gamma |bias|)
-// may be null. Returns -1 when x or a logit is not finite, -2 when more than max_candidates rows remain;
-// the caller then takes the full logits.
-int64_t tz_head_argmax(const float* x, int64_t K, const uint16_t* hi, const uint16_t* lo, int64_t N, const float* bias,
-                       const double* slack, const double* bias_slack, float* screen, int64_t max_candidates) {
+// The index of the largest logit tz_gemm gives for one row x [K] and a packed head (N rows, bias may be null),
+// the first one on a tie, reading the int8 screen of every row and the float32 panels of the few rows it cannot
+// rule out: a screened logit s_n lies within b_n = slack[n] |x| + bias_slack[n] of the float32 one, so only
+// rows with s_n + b_n at least max_m (s_m - b_m) can hold the maximum. Their panels are recomputed by the same
+// tile code as tz_gemm, so the answer is that of the full logits exactly. `screen` is scratch for N floats;
+// bias_slack (2 gamma |bias|) may be null. Returns -1 when x or a logit is not finite, -2 when more than
+// max_candidates rows remain; the caller then takes the full logits.
+int64_t tz_head_argmax(const float* x, int64_t K, const float* packed, const int8_t* codes, int64_t N,
+                       const float* scale, const float* bias, const double* slack, const double* bias_slack,
+                       float* screen, int64_t max_candidates) {
   double squares = 0;
   for (int64_t k = 0; k < K; k++) squares += static_cast<double>(x[k]) * x[k];
   const double norm = sqrt(squares) * (1 + 1e-9);
   if (!(norm < __builtin_inf())) return -1;
   const int64_t panels = (N + NR - 1) / NR;
-  for (int64_t p = 0; p < panels; p++) {
-    const int64_t ahead = p + PANELS_AHEAD < panels ? (p + PANELS_AHEAD) * K * NR : -1;
-    head_panel(x, K, hi + p * K * NR, nullptr, bias ? bias + p * NR : nullptr, N - p * NR < NR ? N - p * NR : NR,
-               screen + p * NR, ahead < 0 ? nullptr : hi + ahead, nullptr);
-  }
+  for (int64_t p = 0; p < panels; p++)
+    screen_panel(x, K, codes + p * K * NR, scale + p * NR, bias ? bias + p * NR : nullptr,
+                 N - p * NR < NR ? N - p * NR : NR, screen + p * NR,
+                 p + 2 * PANELS_AHEAD < panels ? codes + (p + 2 * PANELS_AHEAD) * K * NR : nullptr);
   // 1e-9 of margin covers the double arithmetic here; 1e-30 the float32 underflow of tiny products.
   auto bound = [&](int64_t n) { return (slack[n] * norm + (bias_slack ? bias_slack[n] : 0.0)) * (1 + 1e-9) + 1e-30; };
   double floor = -__builtin_inf();
@@ -385,6 +362,8 @@ int64_t tz_head_argmax(const float* x, int64_t K, const uint16_t* hi, const uint
       if (found == max_candidates) return -2;
       candidates[found++] = n;
     }
+  float* At = scratch(K * MR);  // x laid out as tz_gemm lays out one row of A
+  for (int64_t k = 0; k < K; k++) At[k * MR] = x[k];
   float exact[NR];
   int64_t best = -1, panel = -1;
   float best_logit = 0;
@@ -392,8 +371,9 @@ int64_t tz_head_argmax(const float* x, int64_t K, const uint16_t* hi, const uint
     const int64_t n = candidates[c];
     if (n / NR != panel) {
       panel = n / NR;
-      head_panel(x, K, hi + panel * K * NR, lo + panel * K * NR, bias ? bias + panel * NR : nullptr,
-                 N - panel * NR < NR ? N - panel * NR : NR, exact, nullptr, nullptr);
+      const int64_t width = N - panel * NR < NR ? N - panel * NR : NR;
+      GEMM_TILES[1](At, packed + panel * K * NR, K, exact, NR, lanes(width), width > 16 ? lanes(width - 16) : 0, false,
+                    bias ? bias + panel * NR : nullptr, nullptr, 1);
     }
     const float logit = exact[n % NR];
     if (!(logit - logit == 0)) return -1;

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from node.engine.cpu_kernels import CpuKernels, load_kernels
+from node.engine.cpu_kernels import CpuKernels, PackedHead, load_kernels
 
 TOLERANCE = 1e-5
 """Float32 sums taken in another order: relative to the largest |value| of the reference."""
@@ -59,41 +59,37 @@ def test_gemm_matches_matmul(kernels: CpuKernels, rows: int, inputs: int, output
 
 
 def adversarial_head(generator: torch.Generator, rows: int, inputs: int) -> torch.Tensor:
-    """Random rows, plus rows the truncated weights cannot tell apart: exact copies of another row (ties)
-    and copies that differ from another only in the low 16 bits of each weight."""
+    """Random rows, plus rows the int8 screen cannot tell apart: an exact copy of another row (a tie) and a
+    copy that differs from another only in the low 16 bits of each weight."""
     weight = torch.randn(rows, inputs, generator=generator) * 0.05
     weight[rows // 2] = weight[3]  # a tie: the first of the two must win
     nudged = weight[7].clone().view(torch.int32)
     nudged ^= torch.randint(0, 1 << 16, (inputs,), generator=generator, dtype=torch.int32)
-    weight[rows - 1] = nudged.view(torch.float32)  # same bfloat16 truncation as row 7, other float32
+    weight[rows - 1] = nudged.view(torch.float32)
     return weight
 
 
-@pytest.mark.parametrize(("rows", "inputs", "with_bias"), [(1000, 64, False), (333, 96, True), (32000, 512, False)])
-def test_head_logits_match_the_weights(kernels: CpuKernels, rows: int, inputs: int, with_bias: bool) -> None:
-    generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(rows, inputs, generator=generator)
-    bias = torch.randn(rows, generator=generator) if with_bias else None
-    head = kernels.pack_head(weight.t().contiguous().t(), bias)  # a transposed view, as the loader holds it
-    x = torch.randn(inputs, generator=generator)
-    expected = weight @ x + (bias if bias is not None else 0)
-    assert close(kernels.head_logits(x, head), expected)
+def head_logits(kernels: CpuKernels, x: torch.Tensor, head: PackedHead) -> torch.Tensor:
+    logits = torch.empty(1, head.out_features)
+    kernels.gemm(x.unsqueeze(0), head.weight, logits)
+    return logits[0]
 
 
 @pytest.mark.parametrize(("rows", "inputs", "with_bias"), [(1000, 64, False), (333, 96, True), (4100, 512, False)])
-def test_head_argmax_is_the_argmax_of_the_exact_logits(kernels: CpuKernels, rows: int, inputs: int,
-                                                        with_bias: bool) -> None:
-    """The screen on truncated weights picks exactly the token of the full float32 logits, ties and rows
-    that only the low bits tell apart included, and decides by itself (no fallback) on random inputs."""
+def test_head_argmax_is_the_argmax_of_the_float32_logits(kernels: CpuKernels, rows: int, inputs: int,
+                                                         with_bias: bool) -> None:
+    """The int8 screen picks exactly the token of the full float32 logits, ties and rows that only the low
+    bits tell apart included, and decides by itself (no fallback) on ordinary inputs."""
     generator = torch.Generator().manual_seed(rows + inputs)
     weight = adversarial_head(generator, rows, inputs)
     bias = torch.randn(rows, generator=generator) * 0.1 if with_bias else None
-    head = kernels.pack_head(weight, bias)
+    head = kernels.pack_head(weight.t().contiguous().t(), bias)  # a transposed view, as the loader holds it
     for trial in range(300):
         x = torch.randn(inputs, generator=generator) * (1 + trial % 7)
         if trial % 3 == 0:
             x = weight[[3, 7, rows - 1][trial % 9 // 3]].clone() * 20  # aimed at the tied and nudged rows
-        logits = kernels.head_logits(x, head)
+        logits = head_logits(kernels, x, head)
+        assert close(logits, weight @ x + (bias if bias is not None else 0))
         assert kernels.head_argmax(x, head) == int(torch.argmax(logits)), trial
 
 
