@@ -150,8 +150,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise invalid_request("'echo' and 'suffix' are not supported by this node")
     if isinstance(prompt, str) and prompt:
         return CompletionRequest(params, prompt)
-    if (isinstance(prompt, list) and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):  # not bool, JSON's true
         return CompletionRequest(params, tuple(prompt))
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
         raise invalid_request("send one prompt per request: batches of prompts are not supported", param="prompt")

@@ -44,8 +44,8 @@ class ModelService:
         if isinstance(prompt, str):
             return RenderedChat(list(self.loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]), ())
         vocab = self.loaded.model.config.get_text_config(decoder=True).vocab_size
-        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
-        if bad is not None:
+        if prompt and (min(prompt) < 0 or max(prompt) >= vocab):
+            bad = next(i for i, t in enumerate(prompt) if not 0 <= t < vocab)
             raise invalid_request(f"prompt[{bad}] is not a token id of this model (0 to {vocab - 1})",
                                   param="prompt")
         return RenderedChat(list(prompt), ())
