@@ -90,6 +90,15 @@ class GrowableKVLayer(DynamicLayer):
         self._write(key_states, value_states)
         return self.segments()
 
+    def reserve(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Room for new K/V rows after the current length, for a caller that writes them in place: `like` has
+        their shape `[batch, kv_heads, n, head_dim]`, dtype and device. Returns the key and value buffer views
+        to write and `segments()`, which already covers the new rows."""
+        start = self._reserve(like, like)
+        assert self._key_buffer is not None and self._value_buffer is not None
+        end = start + like.shape[-2]
+        return self._key_buffer[:, :, start:end], self._value_buffer[:, :, start:end], self.segments()
+
     def segments(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) pieces covering positions `[0, length)` in order: buffer views and pieces held by
         reference."""

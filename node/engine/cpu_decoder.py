@@ -18,25 +18,19 @@ bytes and picks exactly the token the full float32 logits would (see `tz_head_ar
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache, LlamaForCausalLM
 
 from cache.working_cache import GrowableKVLayer
-from node.engine.cpu_kernels import CpuKernels, PackedHead, PackedWeight
+from node.engine.cpu_kernels import CpuKernels, LayerWeights, NativeDecoder, PackedHead
 from node.engine.prediction import Prediction
 
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = 64
 """Longest chunk this forward takes; longer chunks are cold prefill, run by transformers."""
-KERNEL_ATTENTION_MIN_QUERIES = 16
-"""Below this many queries a lane-per-query kernel wastes most lanes; torch's SDPA is faster (measured:
-1 query over 2k keys 0.37 versus 0.64 ms, 17 queries over 70 keys 0.036 versus 0.014 ms) once the
-history is one tensor. Over restored pieces the kernel still runs: joining them first costs more."""
 HEAD_DIMS = (32, 64, 128)
 AGREEMENT = 1e-4
 """Largest |difference| from transformers' logits, relative to the largest |logit|: float32 sums in
@@ -63,18 +57,6 @@ class HeadPrediction(Prediction):
             if index is not None:
                 return index
         return int(torch.argmax(self.logits()))
-
-
-@dataclass(frozen=True, slots=True)
-class _Layer:
-    input_norm: torch.Tensor
-    qkv: PackedWeight
-    """q, k and v projections as one `[(heads + 2 * kv_heads) * head_dim, hidden]` weight."""
-    output: PackedWeight
-    post_norm: torch.Tensor
-    gate_up: PackedWeight
-    """Gate and up projections as one `[2 * intermediate, hidden]` weight."""
-    down: PackedWeight
 
 
 def _supports(model: Any) -> str | None:
@@ -112,8 +94,15 @@ class CpuDecoder:
         self.final_eps = float(body.norm.variance_epsilon)
         self._embed = body.embed_tokens.weight
         self._final_norm = body.norm.weight.detach().contiguous()
-        self._layers = [self._pack_layer(layer) for layer in body.layers]
         self._head = kernels.pack_head(model.lm_head.weight, getattr(model.lm_head, "bias", None))
+        self._native = NativeDecoder([self._pack_layer(layer) for layer in body.layers], self.heads, self.kv_heads,
+                                     self.head_dim, self.eps, self.scale, self._final_norm, self.final_eps,
+                                     self._head)
+        # One forward runs at a time per model (its worker thread): scratch is allocated once.
+        self._work = torch.empty(self._native.work_floats(MAX_TOKENS))
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._like = torch.empty(1, self.kv_heads, MAX_TOKENS, self.head_dim)
+        """The shape, dtype and device of new K/V rows, for reserving them in the working cache."""
 
     @classmethod
     def build(cls, model: Any, kernels: CpuKernels | None) -> CpuDecoder | None:
@@ -125,14 +114,14 @@ class CpuDecoder:
             return None
         return cls(model, kernels)
 
-    def _pack_layer(self, layer: Any) -> _Layer:
+    def _pack_layer(self, layer: Any) -> LayerWeights:
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
         qkv_bias = (torch.cat([p.bias for p in projections]) if attention.q_proj.bias is not None else None)
         gate_up_bias = (torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None
                         else None)
         pack = self._kernels.pack
-        return _Layer(
+        return LayerWeights(
             input_norm=layer.input_layernorm.weight.detach().contiguous(),
             qkv=pack(torch.cat([p.weight for p in projections]), qkv_bias),
             output=pack(attention.o_proj.weight, attention.o_proj.bias),
@@ -141,8 +130,26 @@ class CpuDecoder:
             down=pack(mlp.down_proj.weight, mlp.down_proj.bias),
         )
 
-    def takes(self, tokens: int) -> bool:
-        return 0 < tokens <= MAX_TOKENS
+    def _rotary(self, hidden: torch.Tensor, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[tokens, head_dim]` of positions `start..`, from the model's own rotary module. Where they
+        depend on the position alone (every rope type but the dynamic ones, which rescale with the length),
+        they come from a table of the positions so far, which grows by doubling."""
+        rotary = self._model.model.rotary_emb
+        kind = str(getattr(rotary, "rope_type", "default"))
+        if "dynamic" in kind or kind == "longrope":
+            cos, sin = rotary(hidden, torch.arange(start, start + tokens).unsqueeze(0))
+            return cos[0].contiguous(), sin[0].contiguous()
+        end = start + tokens
+        if self._rope_table is None or self._rope_table[0].shape[0] < end:
+            length = max(end, 2 * self._rope_table[0].shape[0] if self._rope_table is not None else 1024)
+            cos, sin = rotary(hidden, torch.arange(length).unsqueeze(0))
+            self._rope_table = (cos[0].contiguous(), sin[0].contiguous())
+        return self._rope_table[0][start:end], self._rope_table[1][start:end]
+
+    def takes(self, tokens: int, cache: DynamicCache) -> bool:
+        """Whether this forward runs `tokens` new tokens into `cache`: a short chunk, into working-cache layers
+        it can write in place."""
+        return 0 < tokens <= MAX_TOKENS and all(isinstance(layer, GrowableKVLayer) for layer in cache.layers)
 
     @torch.inference_mode()
     def agrees_with_model(self) -> bool:
@@ -150,9 +157,10 @@ class CpuDecoder:
         step, gives transformers' own logits (within AGREEMENT of the largest)."""
         model, vocab = self._model, self._head.out_features
         generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(min(100, vocab - 1), vocab, (8 + KERNEL_ATTENTION_MIN_QUERIES + 1,),
+        ids = torch.randint(min(100, vocab - 1), vocab, (8 + 20 + 1,),
                             generator=generator).tolist()
         cache = DynamicCache(config=model.config)
+        cache.layers = [GrowableKVLayer(len(ids)) for _ in cache.layers]
         model(input_ids=torch.tensor([ids[:8]]), cache=cache, use_cache=True)
         chunk = self.forward(ids[8:-1], 8, cache).logits()
         step = self.forward(ids[-1:], len(ids) - 1, cache).logits()
@@ -161,23 +169,6 @@ class CpuDecoder:
             if float((got - expected).abs().max()) > AGREEMENT * max(1.0, float(expected.abs().max())):
                 return False
         return True
-
-    def _attention(self, q: torch.Tensor, layer: Any, segments: list[tuple[torch.Tensor, torch.Tensor]], start: int,
-                   out: torch.Tensor, then: PackedWeight | PackedHead) -> None:
-        """q `[T, heads, head_dim]` at positions `start..` over the layer's K/V `segments` (pieces
-        `[1, kv_heads, n, head_dim]` in position order) -> out `[T, heads * head_dim]`."""
-        tokens = q.shape[0]
-        if ((tokens >= KERNEL_ATTENTION_MIN_QUERIES or len(segments) > 1)
-                and self._kernels.attention(q, segments, start, self.scale, out, then)):
-            return
-        if len(segments) > 1:  # torch needs the history as one tensor: copy the restored pieces in now
-            layer.materialize()
-            segments = layer.segments()
-        keys, values = segments[0]
-        mask = None if tokens == 1 else torch.ones(tokens, start + tokens, dtype=torch.bool).tril(start)
-        result = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
-                                                scale=self.scale, enable_gqa=self.heads != self.kv_heads)
-        out.copy_(result[0].transpose(0, 1).reshape(tokens, -1))
 
     def forward(self, ids: list[int], start: int, cache: DynamicCache) -> HeadPrediction:
         """Run `ids` at positions `[start, start + len)`, writing their K/V into `cache`; returns the last
@@ -194,49 +185,18 @@ class CpuDecoder:
     @torch.inference_mode()
     def _run(self, ids: list[int], start: int, cache: DynamicCache, want_logits: bool) -> torch.Tensor | None:
         """The last position's final normed hidden state `[hidden]` (None when not `want_logits`)."""
-        kernels, tokens = self._kernels, len(ids)
-        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
-        q_width, kv_width = heads * head_dim, kv_heads * head_dim
+        tokens = len(ids)
         hidden = self._embed[torch.tensor(ids)]
-        positions = torch.arange(start, start + tokens).unsqueeze(0)
-        cos, sin = self._model.model.rotary_emb(hidden, positions)
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
-        normed = torch.empty(tokens, self.hidden)
-        qkv = torch.empty(tokens, q_width + 2 * kv_width)
-        attended = torch.empty(tokens, q_width)
-        gate_up = torch.empty(tokens, 2 * self.intermediate)
-        activated = torch.empty(tokens, self.intermediate)
-        # Each kernel prefetches the start of the weight that follows it (`then`).
-        following = [layer.qkv for layer in self._layers[1:]] + [self._head]
-        for index, layer in enumerate(self._layers):
-            kernels.rmsnorm(hidden, layer.input_norm, self.eps, normed)
-            kernels.gemm(normed, layer.qkv, qkv)
-            kernels.rope(qkv, heads + kv_heads, head_dim, cos, sin)
-            new_keys = qkv[:, q_width:q_width + kv_width].view(tokens, kv_heads, head_dim).transpose(0, 1)
-            new_values = qkv[:, q_width + kv_width:].view(tokens, kv_heads, head_dim).transpose(0, 1)
-            layer_cache = cache.layers[index]
-            if isinstance(layer_cache, GrowableKVLayer):  # restored pieces are read where they lie
-                segments = layer_cache.append(new_keys.unsqueeze(0), new_values.unsqueeze(0))
-            else:
-                segments = [cache.update(new_keys.unsqueeze(0), new_values.unsqueeze(0), index)]
-            queries = qkv[:, :q_width].view(tokens, heads, head_dim)
-            if index == len(self._layers) - 1 and not want_logits:
-                return None
-            if index == len(self._layers) - 1 and tokens > 1:
-                # Only the last row reaches the logits.
-                hidden, queries, attended, normed = hidden[-1:], queries[-1:], attended[-1:], normed[-1:]
-                gate_up, activated = gate_up[-1:], activated[-1:]
-                self._attention(queries, layer_cache, segments, start + tokens - 1, attended, layer.output)
-            else:
-                self._attention(queries, layer_cache, segments, start, attended, layer.output)
-            kernels.gemm(attended, layer.output, hidden, accumulate=True, then=layer.gate_up)
-            kernels.rmsnorm(hidden, layer.post_norm, self.eps, normed)
-            kernels.gemm(normed, layer.gate_up, gate_up, then=layer.down)
-            kernels.silu_mul(gate_up, activated)
-            kernels.gemm(activated, layer.down, hidden, accumulate=True, then=following[index])
-        last = torch.empty(1, self.hidden)
-        kernels.rmsnorm(hidden[-1:], self._final_norm, self.final_eps, last)
-        return last[0]
+        cos, sin = self._rotary(hidden, start, tokens)
+        like = self._like[:, :, :tokens]
+        for layer, layer_cache in zip(self._native.layers, cache.layers, strict=True):
+            # The kernels write the new rows in place and read restored pieces where they lie.
+            assert isinstance(layer_cache, GrowableKVLayer)  # see takes()
+            new_keys, new_values, segments = layer_cache.reserve(like)
+            layer.set_cache(new_keys, new_values, segments)
+        last = torch.empty(self.hidden)
+        self._kernels.decoder_forward(self._native, hidden, start, cos, sin, self._work, want_logits, last)
+        return last if want_logits else None
 
 
 DECODERS: dict[type, type[CpuDecoder]] = {LlamaForCausalLM: CpuDecoder}

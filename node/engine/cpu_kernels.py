@@ -38,6 +38,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
                       _i64, _ptr], ctypes.c_int),
     "tz_pack_screen": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr], None),
     "tz_head_argmax": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], _i64),
+    "tz_decoder_forward": ([_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _ptr], ctypes.c_int),
     "tz_rmsnorm": ([_ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64], None),
     "tz_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
     "tz_silu_mul": ([_ptr, _i64, _i64, _ptr], None),
@@ -85,6 +86,90 @@ def _aligned_empty(count: int, dtype: torch.dtype = torch.float32) -> torch.Tens
     raw = torch.empty(count + spare, dtype=dtype)
     offset = (-raw.data_ptr() % ALIGNMENT) // size
     return raw[offset:offset + count]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("packed", _ptr), ("in_features", _i64), ("out_features", _i64), ("bias", _ptr)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Linear), ("output", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("new_keys", _ptr), ("new_values", _ptr),
+                ("new_head_stride", _i64), ("segments", ctypes.c_int), ("seg_keys", _ptr), ("seg_values", _ptr),
+                ("seg_head_stride", _ptr), ("seg_len", _ptr)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("intermediate", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+                ("eps", _f32), ("scale", _f32), ("final_norm", _ptr), ("final_eps", _f32), ("after", _ptr)]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One Llama-shaped decoder layer, packed."""
+
+    input_norm: torch.Tensor
+    qkv: PackedWeight
+    """q, k and v projections as one `[(heads + 2 * kv_heads) * head_dim, hidden]` weight."""
+    output: PackedWeight
+    post_norm: torch.Tensor
+    gate_up: PackedWeight
+    """Gate and up projections as one `[2 * intermediate, hidden]` weight."""
+    down: PackedWeight
+
+
+class NativeLayer:
+    """A layer's description for `tz_decoder_forward`; its cache part is set before every forward."""
+
+    def __init__(self, struct: _Layer, head_dim: int) -> None:
+        self._struct = struct
+        self._head_dim = head_dim
+        self._arrays: tuple[ctypes.Array[ctypes.c_void_p] | ctypes.Array[ctypes.c_int64], ...] = ()
+
+    def set_cache(self, new_keys: torch.Tensor, new_values: torch.Tensor,
+                  segments: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Where the forward writes this layer's new K/V (`[1, kv_heads, T, head_dim]` views with contiguous rows)
+        and the pieces `[1, kv_heads, n, head_dim]` it attends over, in position order, the new rows included."""
+        assert new_keys.stride() == new_values.stride() and new_keys.stride(2) == self._head_dim
+        for keys, values in segments:
+            assert keys.stride() == values.stride() and keys.stride(3) == 1 and keys.stride(2) == self._head_dim
+        count, struct = len(segments), self._struct
+        arrays = ((ctypes.c_void_p * count)(*(k.data_ptr() for k, _ in segments)),
+                  (ctypes.c_void_p * count)(*(v.data_ptr() for _, v in segments)),
+                  (ctypes.c_int64 * count)(*(k.stride(1) for k, _ in segments)),
+                  (ctypes.c_int64 * count)(*(k.shape[2] for k, _ in segments)))
+        struct.new_keys, struct.new_values = new_keys.data_ptr(), new_values.data_ptr()
+        struct.new_head_stride = new_keys.stride(1)
+        struct.segments = count
+        struct.seg_keys, struct.seg_values, struct.seg_head_stride, struct.seg_len = (
+            ctypes.addressof(array) for array in arrays)
+        self._arrays = arrays  # alive as long as the struct points at them
+
+
+class NativeDecoder:
+    """A Llama-shaped model's packed layers as `tz_decoder_forward` reads them."""
+
+    def __init__(self, layers: Sequence[LayerWeights], heads: int, kv_heads: int, head_dim: int, eps: float,
+                 scale: float, final_norm: torch.Tensor, final_eps: float, head: PackedHead) -> None:
+        self._weights = (tuple(layers), final_norm, head)  # what the structs point into
+        self.structs = (_Layer * len(layers))()
+        for struct, layer in zip(self.structs, layers, strict=True):
+            struct.input_norm, struct.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            for name in ("qkv", "output", "gate_up", "down"):
+                weight: PackedWeight = getattr(layer, name)
+                setattr(struct, name, _Linear(weight.data.data_ptr(), weight.in_features, weight.out_features,
+                                              None if weight.bias is None else weight.bias.data_ptr()))
+        self.layers = [NativeLayer(struct, head_dim) for struct in self.structs]
+        first = layers[0]
+        self.model = _Model(first.qkv.in_features, first.down.in_features, heads, kv_heads, head_dim, eps, scale,
+                            final_norm.data_ptr(), final_eps, _start(head))
+        self.hidden, self.intermediate = first.qkv.in_features, first.down.in_features
+        self.qkv_width = first.qkv.out_features
+
+    def work_floats(self, tokens: int) -> int:
+        """Scratch `tz_decoder_forward` needs for a chunk of `tokens`."""
+        q_width = self.model.heads * self.model.head_dim
+        return tokens * (self.hidden + self.qkv_width + q_width + 3 * self.intermediate)
 
 
 def _start(weight: PackedWeight | PackedHead | None) -> int | None:
@@ -183,6 +268,21 @@ class CpuKernels:
                                         key_pointers, value_pointers, head_strides, lengths, start, scale,
                                         out.data_ptr(), out.stride(0), _start(then))
         return bool(status == 0)
+
+    def decoder_forward(self, decoder: NativeDecoder, hidden: torch.Tensor, start: int, cos: torch.Tensor,
+                        sin: torch.Tensor, work: torch.Tensor, logits: bool, last: torch.Tensor) -> None:
+        """Run the embedded tokens `hidden` `[T, hidden]` (overwritten) at positions `start..` through every
+        layer of `decoder`, whose layers' caches are set; cos/sin `[T, head_dim]`; work holds at least
+        `decoder.work_floats(T)` floats. With `logits`, the last token's final normed hidden state goes to
+        `last` `[hidden]`; without, the last layer stops once its K/V are written."""
+        tokens = hidden.shape[0]
+        assert hidden.is_contiguous() and hidden.shape[1] == decoder.hidden and cos.is_contiguous()
+        assert sin.is_contiguous() and work.numel() >= decoder.work_floats(tokens) and last.numel() == decoder.hidden
+        status = self._lib.tz_decoder_forward(ctypes.addressof(decoder.model), ctypes.addressof(decoder.structs),
+                                              len(decoder.layers), hidden.data_ptr(), tokens, start, cos.data_ptr(),
+                                              sin.data_ptr(), work.data_ptr(), int(logits), last.data_ptr())
+        if status != 0:
+            raise RuntimeError("tz_decoder_forward refused its shapes")
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
         """out `[T, N]` = weight * x / sqrt(mean(x^2) + eps), per row of x `[T, N]`."""

@@ -49,7 +49,7 @@ class LoadedModel:
     def forward(self, ids: list[int], start: int, cache: DynamicCache) -> Prediction:
         """Run `ids` at positions `[start, start + len)` into `cache`; returns the last position's prediction
         (logits `[vocab]` in float32 on demand)."""
-        if self.decoder is not None and self.decoder.takes(len(ids)):
+        if self.decoder is not None and self.decoder.takes(len(ids), cache):
             return self.decoder.forward(ids, start, cache)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
@@ -58,7 +58,7 @@ class LoadedModel:
 
     def extend(self, ids: list[int], start: int, cache: DynamicCache) -> None:
         """Run `ids` into `cache` when no logits are wanted (the reply's last token, fed for its state)."""
-        if self.decoder is not None and self.decoder.takes(len(ids)):
+        if self.decoder is not None and self.decoder.takes(len(ids), cache):
             self.decoder.extend(ids, start, cache)
         else:
             self.forward(ids, start, cache)

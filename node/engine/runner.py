@@ -116,8 +116,10 @@ class Runner:
         """A working cache resumed at the deepest resume point; (cache, its length, tokens matched)."""
         state, hot = self.loaded.state, self._hot
         self._hot = None  # the working buffers are about to be overwritten
-        if self.prefix_cache is None or state is None:
+        if state is None:
             return DynamicCache(config=self.loaded.model.config), 0, 0
+        if self.prefix_cache is None:  # reuse off: still the working cache, which the CPU decoder writes in place
+            return state.new_cache(capacity)[0], 0, 0
         # At least one prompt token is always computed: its logits choose the first output token.
         lease = self.prefix_cache.acquire(scope, prompt, limit=len(prompt) - 1,
                                           anywhere=not self._takes_snapshots)

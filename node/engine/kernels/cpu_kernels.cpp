@@ -344,25 +344,39 @@ int64_t tz_head_argmax(const float* x, int64_t K, const float* packed, const int
     screen_panel(x, K, codes + p * K * NR, scale + p * NR, bias ? bias + p * NR : nullptr,
                  N - p * NR < NR ? N - p * NR : NR, screen + p * NR,
                  p + 2 * PANELS_AHEAD < panels ? codes + (p + 2 * PANELS_AHEAD) * K * NR : nullptr);
-  // 1e-9 of margin covers the double arithmetic here; 1e-30 the float32 underflow of tiny products.
-  auto bound = [&](int64_t n) { return (slack[n] * norm + (bias_slack ? bias_slack[n] : 0.0)) * (1 + 1e-9) + 1e-30; };
-  double floor = -__builtin_inf();
-  bool finite = true;
-  for (int64_t n = 0; n < N; n++) {
-    const double s = screen[n];
-    finite &= s - s == 0;
-    floor = s - bound(n) > floor ? s - bound(n) : floor;
+  // bounds[n] = b_n in double; 1e-9 of margin covers the double arithmetic here, 1e-30 the float32 underflow of
+  // tiny products. Eight rows a step: this runs over the whole vocabulary on every greedy token.
+  double* bounds = reinterpret_cast<double*>(scratch(2 * N + 16));
+  const __m512d margin = _mm512_set1_pd(1 + 1e-9), tiny = _mm512_set1_pd(1e-30), scaled = _mm512_set1_pd(norm);
+  __m512d floor8 = _mm512_set1_pd(-__builtin_inf()), finite8 = _mm512_setzero_pd();
+  int64_t n = 0;
+  for (; n + 8 <= N; n += 8) {
+    __m512d b = _mm512_mul_pd(_mm512_loadu_pd(slack + n), scaled);
+    if (bias_slack) b = _mm512_add_pd(b, _mm512_loadu_pd(bias_slack + n));
+    b = _mm512_fmadd_pd(b, margin, tiny);
+    _mm512_storeu_pd(bounds + n, b);
+    const __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(screen + n));
+    finite8 = _mm512_add_pd(finite8, _mm512_sub_pd(v, v));  // NaN once any value is not finite
+    floor8 = _mm512_max_pd(floor8, _mm512_sub_pd(v, b));
+  }
+  double floor = _mm512_reduce_max_pd(floor8);
+  bool finite = _mm512_reduce_add_pd(finite8) == 0;
+  for (; n < N; n++) {
+    bounds[n] = (slack[n] * norm + (bias_slack ? bias_slack[n] : 0.0)) * (1 + 1e-9) + 1e-30;
+    const double v = screen[n];
+    finite &= v - v == 0;
+    floor = v - bounds[n] > floor ? v - bounds[n] : floor;
   }
   if (!finite) return -1;
   int64_t candidates[64];
   int64_t found = 0;
   if (max_candidates > 64) max_candidates = 64;
-  for (int64_t n = 0; n < N; n++)
-    if (screen[n] + bound(n) >= floor) {
+  for (n = 0; n < N; n++)
+    if (screen[n] + bounds[n] >= floor) {
       if (found == max_candidates) return -2;
       candidates[found++] = n;
     }
-  float* At = scratch(K * MR);  // x laid out as tz_gemm lays out one row of A
+  float* At = scratch(K * MR);  // x laid out as tz_gemm lays out one row of A (bounds are no longer needed)
   for (int64_t k = 0; k < K; k++) At[k * MR] = x[k];
   float exact[NR];
   int64_t best = -1, panel = -1;
@@ -546,6 +560,90 @@ void tz_silu_mul(const float* gu, int64_t T, int64_t I, float* out) {
       __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
       _mm512_mask_storeu_ps(out + t * I + i, m, _mm512_mul_ps(silu, u));
     }
+}
+
+}  // extern "C"
+
+// ---- The whole forward of a short chunk: every decoder layer of a Llama-shaped model in one call ----
+
+extern "C" {
+
+// A linear layer packed by tz_pack: y = x W^T + bias.
+struct TzLinear {
+  const float* packed;
+  int64_t in_features, out_features;
+  const float* bias;  // may be null
+};
+
+struct TzLayer {
+  const float* input_norm;
+  const float* post_norm;
+  TzLinear qkv;  // q, k and v projections stacked: [(heads + 2 kv_heads) head_dim, hidden]
+  TzLinear output, gate_up, down;  // gate_up: gate and up stacked, [2 intermediate, hidden]
+  // Where this chunk's keys and values go: key head g, token t at new_keys + g * new_head_stride + t * head_dim.
+  float* new_keys;
+  float* new_values;
+  int64_t new_head_stride;
+  // The layer's keys and values over [0, start + T) in pieces, as tz_attention takes them (the chunk's own rows
+  // included: they are written before attention reads them).
+  int segments;
+  const float* const* seg_keys;
+  const float* const* seg_values;
+  const int64_t* seg_head_stride;
+  const int64_t* seg_len;
+};
+
+struct TzModel {
+  int64_t hidden, intermediate, heads, kv_heads, head_dim;
+  float eps, scale;
+  const float* final_norm;
+  float final_eps;
+  const float* after;  // what the caller reads after the last layer (the output head), prefetched; may be null
+};
+
+// Runs T tokens at positions start.. through every layer: hidden [T, model.hidden] is the embedded input and is
+// overwritten. cos and sin [T, head_dim] are the rotary tables of the positions. work holds T * (hidden +
+// (heads + 2 kv_heads) head_dim + heads head_dim + 3 intermediate) floats. The last layer runs attention and
+// MLP for the last token only (only it reaches the logits), and not at all unless `logits`; then the last
+// token's final normed hidden state goes to last [hidden]. Returns 0, or -1 for a shape the kernels do not take.
+int tz_decoder_forward(const TzModel* model, const TzLayer* layers, int64_t n_layers, float* hidden, int64_t T,
+                       int64_t start, const float* cos, const float* sin, float* work, int logits, float* last) {
+  const int64_t H = model->hidden, I = model->intermediate, D = model->head_dim;
+  const int64_t q_width = model->heads * D, kv_width = model->kv_heads * D, qkv_width = q_width + 2 * kv_width;
+  float* normed = work;
+  float* qkv = normed + T * H;
+  float* attended = qkv + T * qkv_width;
+  float* gate_up = attended + T * q_width;
+  float* activated = gate_up + 2 * T * I;
+  for (int64_t index = 0; index < n_layers; index++) {
+    const TzLayer& layer = layers[index];
+    const bool final = index + 1 == n_layers;
+    const float* following = final ? model->after : layers[index + 1].qkv.packed;
+    tz_rmsnorm(hidden, T, H, H, layer.input_norm, model->eps, normed, H);
+    tz_gemm(normed, T, H, H, layer.qkv.packed, qkv_width, qkv, qkv_width, layer.qkv.bias, 0, nullptr);
+    tz_rope(qkv, T, model->heads + model->kv_heads, D, qkv_width, cos, sin);
+    for (int64_t g = 0; g < model->kv_heads; g++)
+      for (int64_t t = 0; t < T; t++) {
+        memcpy(layer.new_keys + g * layer.new_head_stride + t * D, qkv + t * qkv_width + q_width + g * D, D * 4);
+        memcpy(layer.new_values + g * layer.new_head_stride + t * D, qkv + t * qkv_width + q_width + kv_width + g * D,
+               D * 4);
+      }
+    if (final && !logits) return 0;
+    // In the last layer only the last token goes on.
+    const int64_t rows = final ? 1 : T, first = T - rows;
+    float* x = hidden + first * H;
+    if (tz_attention(qkv + first * qkv_width, rows, model->heads, model->kv_heads, D, qkv_width, layer.segments,
+                     layer.seg_keys, layer.seg_values, layer.seg_head_stride, layer.seg_len, start + first,
+                     model->scale, attended, q_width, layer.output.packed) != 0)
+      return -1;
+    tz_gemm(attended, rows, q_width, q_width, layer.output.packed, H, x, H, layer.output.bias, 1, layer.gate_up.packed);
+    tz_rmsnorm(x, rows, H, H, layer.post_norm, model->eps, normed, H);
+    tz_gemm(normed, rows, H, H, layer.gate_up.packed, 2 * I, gate_up, 2 * I, layer.gate_up.bias, 0, layer.down.packed);
+    tz_silu_mul(gate_up, rows, I, activated);
+    tz_gemm(activated, rows, I, I, layer.down.packed, H, x, H, layer.down.bias, 1, following);
+  }
+  tz_rmsnorm(hidden + (T - 1) * H, 1, H, H, model->final_norm, model->final_eps, last, H);
+  return 0;
 }
 
 }  // extern "C"

@@ -11,6 +11,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCon
 
 from cache.adapters import ModelStateAdapter
 from cache.state_spec import model_state_specs
+from cache.working_cache import GrowableKVLayer
 from node.engine import loader
 from node.engine.cpu_decoder import MAX_TOKENS, CpuDecoder
 from node.engine.cpu_kernels import CpuKernels
@@ -81,6 +82,7 @@ def test_extend_writes_the_state_forward_would(kernels: CpuKernels) -> None:
     assert decoder is not None
     ids = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(4)).tolist()
     cache = DynamicCache(config=model.config)
+    cache.layers = [GrowableKVLayer(len(ids)) for _ in cache.layers]
     decoder.forward(ids[:40], 0, cache)
     decoder.extend(ids[40:41], 40, cache)  # a reply's last token, fed only for its state
     decoder.extend(ids[41:58], 41, cache)
@@ -100,7 +102,12 @@ def test_decoder_refuses_what_it_does_not_compute(kernels: CpuKernels) -> None:
                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                                                sliding_window=8))
     assert CpuDecoder.build(mistral, kernels) is None
-    assert not CpuDecoder.build(llama(), kernels).takes(MAX_TOKENS + 1)  # type: ignore[union-attr]
+    decoder = CpuDecoder.build(llama(), kernels)
+    assert decoder is not None
+    working = DynamicCache(config=decoder._model.config)
+    working.layers = [GrowableKVLayer(10) for _ in working.layers]
+    assert decoder.takes(MAX_TOKENS, working) and not decoder.takes(MAX_TOKENS + 1, working)
+    assert not decoder.takes(1, DynamicCache(config=decoder._model.config))  # layers it cannot write in place
 
 
 def test_loader_serves_the_small_model_through_the_decoder_on_one_thread(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from cache.arena import Scope
 from cache.budget import CacheBudget
 from cache.prefix_cache import PrefixCache
+from node.engine.cpu_kernels import NativeLayer
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, Runner
 from node.engine.sampling import SamplingParams
@@ -126,13 +128,13 @@ def test_a_prefix_restored_after_another_callers_request_is_read_where_it_is_sto
     generate(reuse, history)
     generate(reuse, tokens(22, 90), scope=Scope("bob", "small"))
     pieces_seen: list[int] = []
-    original = loaded.decoder._attention
+    original = NativeLayer.set_cache
 
-    def counting(q: torch.Tensor, layer: object, segments: list[object], *args: object) -> None:
+    def counting(layer: NativeLayer, keys: torch.Tensor, values: torch.Tensor, segments: list[Any]) -> None:
         pieces_seen.append(len(segments))
-        original(q, layer, segments, *args)
+        original(layer, keys, values, segments)
 
-    monkeypatch.setattr(loaded.decoder, "_attention", counting)
+    monkeypatch.setattr(NativeLayer, "set_cache", counting)
     follow = history + tokens(23, 30)
     got = generate(reuse, follow)
     assert got == generate(plain, follow)
