@@ -86,9 +86,10 @@ class Shape:
         return body
 
 
-def _submit(request: web.Request, service: ModelService, caller: Caller, generation: GenerationRequest) -> Job:
+def _submit(request: web.Request, service: ModelService, caller: Caller, generation: GenerationRequest,
+            streamed: bool) -> Job:
     try:
-        return service.scheduler.submit(caller.name, generation)
+        return service.scheduler.submit(caller.name, generation, streamed=streamed)
     except QueueFullError as exc:
         raise queue_full(str(exc)) from exc
 
@@ -117,7 +118,7 @@ async def _respond(request: web.Request, service: ModelService, caller: Caller, 
                    params: CommonParams, shape: Shape) -> web.StreamResponse:
     generation = service.request(caller.name, prompt, params, request.app[CONFIG].limits,
                                  prompt_param="messages" if shape.chat else "prompt")
-    job = request.app[METER].track(_submit(request, service, caller, generation),
+    job = request.app[METER].track(_submit(request, service, caller, generation, params.stream),
                                    Completion(shape.id, caller.name, service.model_id))
     try:
         if params.stream:
@@ -156,6 +157,7 @@ async def _stream(request: web.Request, job: MeteredJob, params: CommonParams,
             break
         if isinstance(event, TextDelta):
             await send(shape.chunk(event.text))
+            job.job.first_written.set()
         elif isinstance(event, Finished):
             _observe(request, event.result)
             await send(shape.chunk(None if shape.chat else "", _finish_reason(event.result)))

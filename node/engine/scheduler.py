@@ -43,20 +43,33 @@ class Failed:
 Event = TextDelta | Finished | Failed
 
 
+FIRST_WRITE_WAIT_S = 0.005
+"""Longest the worker waits for a streamed request's first text to be written (see `Job.emit_text`)."""
+
+
 @dataclass(eq=False)
 class Job:
     caller: str
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
+    streamed: bool = False
+    """The handler writes each text delta as it comes (SSE), and says so through `first_written`."""
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancel_event: threading.Event = field(default_factory=threading.Event)
+    first_written: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
 
     def post(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
     def emit_text(self, text: str) -> None:
+        """Hand a text delta to the handler. The first one of a streamed request is the caller's time to first
+        token, and the event loop needs the GIL to send it, which the worker's Python between native calls
+        would hold: the worker waits until it is written (at most FIRST_WRITE_WAIT_S, the GIL released)."""
         self.post(TextDelta(text))
+        if self.streamed and not self.first_written.is_set():
+            self.first_written.wait(FIRST_WRITE_WAIT_S)
+            self.first_written.set()  # once per request, written or not
 
     def cancel(self) -> None:
         self.cancel_event.set()
@@ -85,8 +98,8 @@ class Scheduler:
     def waiting(self) -> int:
         return self._waiting
 
-    def submit(self, caller: str, request: GenerationRequest) -> Job:
-        job = Job(caller=caller, request=request, loop=asyncio.get_running_loop())
+    def submit(self, caller: str, request: GenerationRequest, streamed: bool = False) -> Job:
+        job = Job(caller=caller, request=request, loop=asyncio.get_running_loop(), streamed=streamed)
         with self._cond:
             if self._waiting >= self.max_queue:
                 raise QueueFullError(f"the node is busy: {self._waiting} requests are waiting; retry later")

@@ -1,0 +1,55 @@
+"""A streamed request's first text: the worker hands the GIL to the event loop until it is written."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from cache.arena import Scope
+from node.engine import scheduler
+from node.engine.runner import GenerationRequest
+from node.engine.sampling import SamplingParams
+from node.engine.scheduler import Job, TextDelta
+
+REQUEST = GenerationRequest(Scope("alice", "m"), [1, 2, 3], SamplingParams(max_tokens=2))
+
+
+def emit_from_a_worker(job: Job, log: list[str]) -> threading.Thread:
+    def work() -> None:
+        for text in ("a", "b"):
+            started = time.perf_counter()
+            job.emit_text(text)
+            log.append(f"returned {text} after {time.perf_counter() - started:.3f}")
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    return worker
+
+
+async def test_a_streamed_job_waits_until_its_first_text_is_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler, "FIRST_WRITE_WAIT_S", 30.0)
+    job = Job("alice", REQUEST, asyncio.get_running_loop(), streamed=True)
+    log: list[str] = []
+    worker = emit_from_a_worker(job, log)
+    assert await job.events.get() == TextDelta("a")
+    await asyncio.sleep(0.05)
+    log.append("written a")  # what the handler does once the chunk is on the socket
+    job.first_written.set()
+    assert await job.events.get() == TextDelta("b")
+    await asyncio.get_running_loop().run_in_executor(None, worker.join)
+    assert [entry.split(" after")[0] for entry in log] == ["written a", "returned a", "returned b"]
+
+
+async def test_the_wait_is_bounded_and_a_job_not_streamed_does_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler, "FIRST_WRITE_WAIT_S", 0.2)
+    loop = asyncio.get_running_loop()
+    streamed: list[str] = []
+    await loop.run_in_executor(None, emit_from_a_worker(Job("alice", REQUEST, loop, streamed=True), streamed).join)
+    seconds = [float(entry.split(" after ")[1]) for entry in streamed]
+    assert seconds[0] >= 0.2 and seconds[1] < 0.2  # nobody wrote: it went on after the bound, and only once
+    plain: list[str] = []
+    await loop.run_in_executor(None, emit_from_a_worker(Job("alice", REQUEST, loop), plain).join)
+    assert all(float(entry.split(" after ")[1]) < 0.2 for entry in plain)
