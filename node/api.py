@@ -118,11 +118,23 @@ async def _respond(request: web.Request, service: ModelService, caller: Caller, 
                    params: CommonParams, shape: Shape) -> web.StreamResponse:
     generation = service.request(caller.name, prompt, params, request.app[CONFIG].limits,
                                  prompt_param="messages" if shape.chat else "prompt")
+    response = None
+    if params.stream:
+        # Headers (and a chat stream's role chunk) go out before the job is queued: once it is, the event loop
+        # has nothing to do but wait, and the worker thread it would hold off by the GIL starts at once.
+        try:
+            service.scheduler.check_room()  # only this event loop submits, so room now is room at submit
+        except QueueFullError as exc:
+            raise queue_full(str(exc)) from exc
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        if shape.chat:
+            await _send(response, shape.chunk(None, first=True))
     job = request.app[METER].track(_submit(request, service, caller, generation, params.stream),
                                    Completion(shape.id, caller.name, service.model_id))
     try:
-        if params.stream:
-            return await _stream(request, job, params, shape)
+        if response is not None:
+            return await _stream(request, response, job, params, shape)
         while True:
             event = await _next_event(job)
             if isinstance(event, Finished):
@@ -138,17 +150,18 @@ async def _respond(request: web.Request, service: ModelService, caller: Caller, 
         job.close()  # a no-op once finished; stops decoding when the client went away
 
 
-async def _stream(request: web.Request, job: MeteredJob, params: CommonParams,
+async def _send(response: web.StreamResponse, payload: dict[str, Any] | str) -> None:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    await response.write(f"data: {data}\n\n".encode())
+
+
+async def _stream(request: web.Request, response: web.StreamResponse, job: MeteredJob, params: CommonParams,
                   shape: Shape) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
+    """The job's events as server-sent events on the prepared `response`."""
 
     async def send(payload: dict[str, Any] | str) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-        await response.write(f"data: {data}\n\n".encode())
+        await _send(response, payload)
 
-    if shape.chat:
-        await send(shape.chunk(None, first=True))
     while True:
         try:
             event = await _next_event(job)

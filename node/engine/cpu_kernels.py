@@ -124,26 +124,30 @@ class NativeLayer:
     def __init__(self, struct: _Layer, head_dim: int) -> None:
         self._struct = struct
         self._head_dim = head_dim
-        self._arrays: tuple[ctypes.Array[ctypes.c_void_p] | ctypes.Array[ctypes.c_int64], ...] = ()
+        self._room = 0
+        self._keys = self._values = (ctypes.c_void_p * 0)()
+        self._strides = self._lengths = (ctypes.c_int64 * 0)()
 
     def set_cache(self, new_keys: torch.Tensor, new_values: torch.Tensor,
                   segments: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Where the forward writes this layer's new K/V (`[1, kv_heads, T, head_dim]` views with contiguous rows)
         and the pieces `[1, kv_heads, n, head_dim]` it attends over, in position order, the new rows included."""
         assert new_keys.stride() == new_values.stride() and new_keys.stride(2) == self._head_dim
-        for keys, values in segments:
-            assert keys.stride() == values.stride() and keys.stride(3) == 1 and keys.stride(2) == self._head_dim
         count, struct = len(segments), self._struct
-        arrays = ((ctypes.c_void_p * count)(*(k.data_ptr() for k, _ in segments)),
-                  (ctypes.c_void_p * count)(*(v.data_ptr() for _, v in segments)),
-                  (ctypes.c_int64 * count)(*(k.stride(1) for k, _ in segments)),
-                  (ctypes.c_int64 * count)(*(k.shape[2] for k, _ in segments)))
+        if count > self._room:  # the arrays the struct points at, kept and refilled from one forward to the next
+            self._room = max(count, 2 * self._room, 4)
+            self._keys, self._values = (ctypes.c_void_p * self._room)(), (ctypes.c_void_p * self._room)()
+            self._strides, self._lengths = (ctypes.c_int64 * self._room)(), (ctypes.c_int64 * self._room)()
+            struct.seg_keys, struct.seg_values = ctypes.addressof(self._keys), ctypes.addressof(self._values)
+            struct.seg_head_stride, struct.seg_len = ctypes.addressof(self._strides), ctypes.addressof(self._lengths)
+        for index, (keys, values) in enumerate(segments):
+            stride = keys.stride()
+            assert stride == values.stride() and stride[3] == 1 and stride[2] == self._head_dim
+            self._keys[index], self._values[index] = keys.data_ptr(), values.data_ptr()
+            self._strides[index], self._lengths[index] = stride[1], keys.shape[2]
         struct.new_keys, struct.new_values = new_keys.data_ptr(), new_values.data_ptr()
         struct.new_head_stride = new_keys.stride(1)
         struct.segments = count
-        struct.seg_keys, struct.seg_values, struct.seg_head_stride, struct.seg_len = (
-            ctypes.addressof(array) for array in arrays)
-        self._arrays = arrays  # alive as long as the struct points at them
 
 
 class NativeDecoder:

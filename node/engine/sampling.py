@@ -27,11 +27,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self._generator = torch.Generator()
-        if params.seed is None:
-            self._generator.seed()
-        else:
-            self._generator.manual_seed(params.seed)
+        self._generator: torch.Generator | None = None
+        """Made on the first draw: greedy decoding needs none."""
 
     def next_token(self, prediction: Prediction) -> int:
         """The token after the last position of `prediction`'s forward."""
@@ -43,4 +40,10 @@ class Sampler:
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
             sorted_probs[before >= self.params.top_p] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if self._generator is None:
+            self._generator = torch.Generator()
+            if self.params.seed is None:
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(self.params.seed)
         return int(torch.multinomial(probs, 1, generator=self._generator))

@@ -98,11 +98,15 @@ class Scheduler:
     def waiting(self) -> int:
         return self._waiting
 
+    def check_room(self) -> None:
+        """Raise QueueFullError when a request submitted now would be refused."""
+        if self._waiting >= self.max_queue:
+            raise QueueFullError(f"the node is busy: {self._waiting} requests are waiting; retry later")
+
     def submit(self, caller: str, request: GenerationRequest, streamed: bool = False) -> Job:
         job = Job(caller=caller, request=request, loop=asyncio.get_running_loop(), streamed=streamed)
         with self._cond:
-            if self._waiting >= self.max_queue:
-                raise QueueFullError(f"the node is busy: {self._waiting} requests are waiting; retry later")
+            self.check_room()
             self._queues.setdefault(caller, deque()).append(job)
             self._waiting += 1
             self._cond.notify()
