@@ -85,11 +85,11 @@ float* scratch(int64_t floats) {
   return buffer;
 }
 
-// C[R rows, 32 cols] (=|+=) At[k, R] . panel[k, 32], k over all K. At holds A transposed, MR floats a
+// C[R rows, 32 cols] (=|+=) At[k, R] . panel[k, 32], k over all K. At holds A transposed, `lat` floats a
 // row. Every `every` steps of k it also prefetches the next 32 floats of `pf` (none when null).
 template <int R>
-void gemm_tile(const float* At, const float* panel, int64_t K, float* C, int64_t ldc, __mmask16 m0, __mmask16 m1,
-               bool accumulate, const float* bias, const float* pf, int every) {
+void gemm_tile(const float* At, int64_t lat, const float* panel, int64_t K, float* C, int64_t ldc, __mmask16 m0,
+               __mmask16 m1, bool accumulate, const float* bias, const float* pf, int every) {
   __m512 c0[R], c1[R];
   for (int r = 0; r < R; r++) {
     c0[r] = accumulate ? _mm512_maskz_loadu_ps(m0, C + r * ldc) : _mm512_setzero_ps();
@@ -106,7 +106,7 @@ void gemm_tile(const float* At, const float* panel, int64_t K, float* C, int64_t
         pf += NR;
       }
     }
-    const float* a = At + k * MR;
+    const float* a = At + k * lat;
     for (int r = 0; r < R; r++) {
       __m512 av = _mm512_set1_ps(a[r]);
       c0[r] = _mm512_fmadd_ps(av, b0, c0[r]);
@@ -121,8 +121,8 @@ void gemm_tile(const float* At, const float* panel, int64_t K, float* C, int64_t
   }
 }
 
-using gemm_tile_fn = void (*)(const float*, const float*, int64_t, float*, int64_t, __mmask16, __mmask16, bool,
-                              const float*, const float*, int);
+using gemm_tile_fn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, __mmask16, __mmask16,
+                              bool, const float*, const float*, int);
 const gemm_tile_fn GEMM_TILES[MAX_TILE + 1] = {
     nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>, gemm_tile<5>, gemm_tile<6>,
     gemm_tile<7>, gemm_tile<8>, gemm_tile<9>, gemm_tile<10>, gemm_tile<11>, gemm_tile<12>};
@@ -270,13 +270,14 @@ void tz_pack(const float* W, int64_t K, int64_t N, int64_t stride_n, int64_t str
 // cold memory.
 void tz_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const float* packed, int64_t N, float* C,
              int64_t ldc, const float* bias, int accumulate, const float* then) {
-  float* At = scratch(K * MR);
   const int64_t panels = (N + NR - 1) / NR;
+  const int64_t lat = M < MR ? (M + 15) / 16 * 16 : MR;  // At's row: no wider than the rows it holds
+  float* At = scratch(K * lat);
   for (int64_t m0 = 0; m0 < M; m0 += MR) {
     const int64_t rows = M - m0 < MR ? M - m0 : MR;
     // k outer: the writes run along At's rows and each row of A stays in L1 for 16 steps of k.
     for (int64_t k = 0; k < K; k++)
-      for (int64_t i = 0; i < rows; i++) At[k * MR + i] = A[(m0 + i) * lda + k];
+      for (int64_t i = 0; i < rows; i++) At[k * lat + i] = A[(m0 + i) * lda + k];
     const int nt = static_cast<int>((rows + MAX_TILE - 1) / MAX_TILE);
     for (int64_t p = 0; p < panels; p++) {
       const float* panel = packed + p * K * NR;
@@ -288,7 +289,7 @@ void tz_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const float* pac
       int64_t i = 0;
       for (int ti = 0; ti < nt; ti++) {
         const int64_t r = (rows - i) / (nt - ti);  // tiles of nearly equal height
-        GEMM_TILES[r](At + i, panel, K, C + (m0 + i) * ldc + n0, ldc, m0mask, m1mask, accumulate != 0,
+        GEMM_TILES[r](At + i, lat, panel, K, C + (m0 + i) * ldc + n0, ldc, m0mask, m1mask, accumulate != 0,
                       bias ? bias + n0 : nullptr, next ? next + ti * ((K + nt - 1) / nt) * NR : nullptr, nt);
         i += r;
       }
@@ -376,8 +377,8 @@ int64_t tz_head_argmax(const float* x, int64_t K, const float* packed, const int
       if (found == max_candidates) return -2;
       candidates[found++] = n;
     }
-  float* At = scratch(K * MR);  // x laid out as tz_gemm lays out one row of A (bounds are no longer needed)
-  for (int64_t k = 0; k < K; k++) At[k * MR] = x[k];
+  float* At = scratch(K * 16);  // x laid out as tz_gemm lays out one row of A (bounds are no longer needed)
+  for (int64_t k = 0; k < K; k++) At[k * 16] = x[k];
   float exact[NR];
   int64_t best = -1, panel = -1;
   float best_logit = 0;
@@ -386,7 +387,7 @@ int64_t tz_head_argmax(const float* x, int64_t K, const float* packed, const int
     if (n / NR != panel) {
       panel = n / NR;
       const int64_t width = N - panel * NR < NR ? N - panel * NR : NR;
-      GEMM_TILES[1](At, packed + panel * K * NR, K, exact, NR, lanes(width), width > 16 ? lanes(width - 16) : 0, false,
+      GEMM_TILES[1](At, 16, packed + panel * K * NR, K, exact, NR, lanes(width), width > 16 ? lanes(width - 16) : 0, false,
                     bias ? bias + panel * NR : nullptr, nullptr, 1);
     }
     const float logit = exact[n % NR];
