@@ -621,8 +621,22 @@ int tz_decoder_forward(const TzModel* model, const TzLayer* layers, int64_t n_la
     const bool final = index + 1 == n_layers;
     const float* following = final ? model->after : layers[index + 1].qkv.packed;
     tz_rmsnorm(hidden, T, H, H, layer.input_norm, model->eps, normed, H);
-    tz_gemm(normed, T, H, H, layer.qkv.packed, qkv_width, qkv, qkv_width, layer.qkv.bias, 0, nullptr);
-    tz_rope(qkv, T, model->heads + model->kv_heads, D, qkv_width, cos, sin);
+    if (!final) {
+      tz_gemm(normed, T, H, H, layer.qkv.packed, qkv_width, qkv, qkv_width, layer.qkv.bias, 0, nullptr);
+    } else {  // keys and values of every token, the query of the last one only (and none without logits)
+      const float* kv_bias = layer.qkv.bias ? layer.qkv.bias + q_width : nullptr;
+      tz_gemm(normed, T, H, H, layer.qkv.packed + q_width * H, 2 * kv_width, qkv + q_width, qkv_width, kv_bias, 0,
+              logits ? layer.qkv.packed : nullptr);
+      if (logits)
+        tz_gemm(normed + (T - 1) * H, 1, H, H, layer.qkv.packed, q_width, qkv + (T - 1) * qkv_width, qkv_width,
+                layer.qkv.bias, 0, nullptr);
+    }
+    if (!final) {
+      tz_rope(qkv, T, model->heads + model->kv_heads, D, qkv_width, cos, sin);
+    } else {
+      tz_rope(qkv + q_width, T, model->kv_heads, D, qkv_width, cos, sin);
+      if (logits) tz_rope(qkv + (T - 1) * qkv_width, 1, model->heads, D, qkv_width, cos + (T - 1) * D, sin + (T - 1) * D);
+    }
     for (int64_t g = 0; g < model->kv_heads; g++)
       for (int64_t t = 0; t < T; t++) {
         memcpy(layer.new_keys + g * layer.new_head_stride + t * D, qkv + t * qkv_width + q_width + g * D, D * 4);
