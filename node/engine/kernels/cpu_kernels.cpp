@@ -22,6 +22,7 @@ constexpr int64_t NR = 32;  // panel width: two vectors of output columns
 constexpr int64_t MR = 64;  // rows of A handled per block
 constexpr int MAX_TILE = 12;  // rows per register tile: 12 x 2 accumulators
 constexpr int64_t PANELS_AHEAD = 2;  // a GEMM computes on one panel while this one further on streams in
+constexpr int64_t ROWS_AHEAD = 4;    // and pulls the rows of its panel a few steps ahead from L2 into L1
 
 inline __m512 exp512(__m512 x) {
   // exp(x) = 2^n * 2^f, n = round(x log2 e), |f| <= 0.5, 2^f by its Taylor series to degree 7
@@ -98,6 +99,8 @@ void gemm_tile(const float* At, int64_t lat, const float* panel, int64_t K, floa
   int phase = every;
   for (int64_t k = 0; k < K; k++) {
     __m512 b0 = _mm512_load_ps(panel + k * NR), b1 = _mm512_load_ps(panel + k * NR + 16);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + ROWS_AHEAD) * NR), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + ROWS_AHEAD) * NR + 16), _MM_HINT_T0);
     if (--phase == 0) {
       phase = every;
       if (pf) {
