@@ -21,8 +21,9 @@ namespace {
 constexpr int64_t NR = 32;  // panel width: two vectors of output columns
 constexpr int64_t MR = 64;  // rows of A handled per block
 constexpr int MAX_TILE = 12;  // rows per register tile: 12 x 2 accumulators
-constexpr int64_t PANELS_AHEAD = 2;  // a GEMM computes on one panel while this one further on streams in
+constexpr int64_t PANELS_AHEAD = 1;  // a GEMM computes on one panel while this one further on streams in
 constexpr int64_t ROWS_AHEAD = 4;    // and pulls the rows of its panel a few steps ahead from L2 into L1
+constexpr int64_t SCREEN_AHEAD = 4;  // panels of a head's int8 screen (a quarter of a float32 panel each)
 
 inline __m512 exp512(__m512 x) {
   // exp(x) = 2^n * 2^f, n = round(x log2 e), |f| <= 0.5, 2^f by its Taylor series to degree 7
@@ -347,7 +348,7 @@ int64_t tz_head_argmax(const float* x, int64_t K, const float* packed, const int
   for (int64_t p = 0; p < panels; p++)
     screen_panel(x, K, codes + p * K * NR, scale + p * NR, bias ? bias + p * NR : nullptr,
                  N - p * NR < NR ? N - p * NR : NR, screen + p * NR,
-                 p + 2 * PANELS_AHEAD < panels ? codes + (p + 2 * PANELS_AHEAD) * K * NR : nullptr);
+                 p + SCREEN_AHEAD < panels ? codes + (p + SCREEN_AHEAD) * K * NR : nullptr);
   // bounds[n] = b_n in double; 1e-9 of margin covers the double arithmetic here, 1e-30 the float32 underflow of
   // tiny products. Eight rows a step: this runs over the whole vocabulary on every greedy token.
   double* bounds = reinterpret_cast<double*>(scratch(2 * N + 16));
