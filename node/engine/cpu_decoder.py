@@ -92,12 +92,12 @@ class CpuDecoder:
         self.intermediate = body.layers[0].mlp.intermediate_size
         self.eps = float(body.layers[0].input_layernorm.variance_epsilon)
         self.final_eps = float(body.norm.variance_epsilon)
-        self._embed = body.embed_tokens.weight
+        self._embed = body.embed_tokens.weight.detach().contiguous()
         self._final_norm = body.norm.weight.detach().contiguous()
         self._head = kernels.pack_head(model.lm_head.weight, getattr(model.lm_head, "bias", None))
-        self._native = NativeDecoder([self._pack_layer(layer) for layer in body.layers], self.heads, self.kv_heads,
-                                     self.head_dim, self.eps, self.scale, self._final_norm, self.final_eps,
-                                     self._head)
+        self._native = NativeDecoder(self._embed, [self._pack_layer(layer) for layer in body.layers], self.heads,
+                                     self.kv_heads, self.head_dim, self.eps, self.scale, self._final_norm,
+                                     self.final_eps, self._head)
         # One forward runs at a time per model (its worker thread): scratch is allocated once.
         self._work = torch.empty(self._native.work_floats(MAX_TOKENS))
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -130,19 +130,19 @@ class CpuDecoder:
             down=pack(mlp.down_proj.weight, mlp.down_proj.bias),
         )
 
-    def _rotary(self, hidden: torch.Tensor, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotary(self, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[tokens, head_dim]` of positions `start..`, from the model's own rotary module. Where they
         depend on the position alone (every rope type but the dynamic ones, which rescale with the length),
         they come from a table of the positions so far, which grows by doubling."""
         rotary = self._model.model.rotary_emb
         kind = str(getattr(rotary, "rope_type", "default"))
         if "dynamic" in kind or kind == "longrope":
-            cos, sin = rotary(hidden, torch.arange(start, start + tokens).unsqueeze(0))
+            cos, sin = rotary(self._final_norm, torch.arange(start, start + tokens).unsqueeze(0))
             return cos[0].contiguous(), sin[0].contiguous()
         end = start + tokens
         if self._rope_table is None or self._rope_table[0].shape[0] < end:
             length = max(end, 2 * self._rope_table[0].shape[0] if self._rope_table is not None else 1024)
-            cos, sin = rotary(hidden, torch.arange(length).unsqueeze(0))
+            cos, sin = rotary(self._final_norm, torch.arange(length).unsqueeze(0))  # x: only its dtype and device
             self._rope_table = (cos[0].contiguous(), sin[0].contiguous())
         return self._rope_table[0][start:end], self._rope_table[1][start:end]
 
@@ -186,8 +186,7 @@ class CpuDecoder:
     def _run(self, ids: list[int], start: int, cache: DynamicCache, want_logits: bool) -> torch.Tensor | None:
         """The last position's final normed hidden state `[hidden]` (None when not `want_logits`)."""
         tokens = len(ids)
-        hidden = self._embed[torch.tensor(ids)]
-        cos, sin = self._rotary(hidden, start, tokens)
+        cos, sin = self._rotary(start, tokens)
         like = self._like[:, :, :tokens]
         for layer, layer_cache in zip(self._native.layers, cache.layers, strict=True):
             # The kernels write the new rows in place and read restored pieces where they lie.
@@ -195,7 +194,7 @@ class CpuDecoder:
             new_keys, new_values, segments = layer_cache.reserve(like)
             layer.set_cache(new_keys, new_values, segments)
         last = torch.empty(self.hidden)
-        self._kernels.decoder_forward(self._native, hidden, start, cos, sin, self._work, want_logits, last)
+        self._kernels.decoder_forward(self._native, ids, start, cos, sin, self._work, want_logits, last)
         return last if want_logits else None
 
 

@@ -100,8 +100,9 @@ class _Layer(ctypes.Structure):
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("hidden", _i64), ("intermediate", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
-                ("eps", _f32), ("scale", _f32), ("final_norm", _ptr), ("final_eps", _f32), ("after", _ptr)]
+    _fields_ = [("embedding", _ptr), ("hidden", _i64), ("intermediate", _i64), ("heads", _i64), ("kv_heads", _i64),
+                ("head_dim", _i64), ("eps", _f32), ("scale", _f32), ("final_norm", _ptr), ("final_eps", _f32),
+                ("after", _ptr)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +154,12 @@ class NativeLayer:
 class NativeDecoder:
     """A Llama-shaped model's packed layers as `tz_decoder_forward` reads them."""
 
-    def __init__(self, layers: Sequence[LayerWeights], heads: int, kv_heads: int, head_dim: int, eps: float,
-                 scale: float, final_norm: torch.Tensor, final_eps: float, head: PackedHead) -> None:
-        self._weights = (tuple(layers), final_norm, head)  # what the structs point into
+    def __init__(self, embedding: torch.Tensor, layers: Sequence[LayerWeights], heads: int, kv_heads: int,
+                 head_dim: int, eps: float, scale: float, final_norm: torch.Tensor, final_eps: float,
+                 head: PackedHead) -> None:
+        assert embedding.is_contiguous() and embedding.dtype == torch.float32
+        self._weights = (embedding, tuple(layers), final_norm, head)  # what the structs point into
+        self.vocab = embedding.shape[0]
         self.structs = (_Layer * len(layers))()
         for struct, layer in zip(self.structs, layers, strict=True):
             struct.input_norm, struct.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
@@ -165,15 +169,15 @@ class NativeDecoder:
                                               None if weight.bias is None else weight.bias.data_ptr()))
         self.layers = [NativeLayer(struct, head_dim) for struct in self.structs]
         first = layers[0]
-        self.model = _Model(first.qkv.in_features, first.down.in_features, heads, kv_heads, head_dim, eps, scale,
-                            final_norm.data_ptr(), final_eps, _start(head))
+        self.model = _Model(embedding.data_ptr(), first.qkv.in_features, first.down.in_features, heads, kv_heads,
+                            head_dim, eps, scale, final_norm.data_ptr(), final_eps, _start(head))
         self.hidden, self.intermediate = first.qkv.in_features, first.down.in_features
         self.qkv_width = first.qkv.out_features
 
     def work_floats(self, tokens: int) -> int:
         """Scratch `tz_decoder_forward` needs for a chunk of `tokens`."""
         q_width = self.model.heads * self.model.head_dim
-        return tokens * (self.hidden + self.qkv_width + q_width + 3 * self.intermediate)
+        return tokens * (2 * self.hidden + self.qkv_width + q_width + 3 * self.intermediate)
 
 
 def _start(weight: PackedWeight | PackedHead | None) -> int | None:
@@ -273,18 +277,21 @@ class CpuKernels:
                                         out.data_ptr(), out.stride(0), _start(then))
         return bool(status == 0)
 
-    def decoder_forward(self, decoder: NativeDecoder, hidden: torch.Tensor, start: int, cos: torch.Tensor,
+    def decoder_forward(self, decoder: NativeDecoder, ids: Sequence[int], start: int, cos: torch.Tensor,
                         sin: torch.Tensor, work: torch.Tensor, logits: bool, last: torch.Tensor) -> None:
-        """Run the embedded tokens `hidden` `[T, hidden]` (overwritten) at positions `start..` through every
-        layer of `decoder`, whose layers' caches are set; cos/sin `[T, head_dim]`; work holds at least
-        `decoder.work_floats(T)` floats. With `logits`, the last token's final normed hidden state goes to
-        `last` `[hidden]`; without, the last layer stops once its K/V are written."""
-        tokens = hidden.shape[0]
-        assert hidden.is_contiguous() and hidden.shape[1] == decoder.hidden and cos.is_contiguous()
-        assert sin.is_contiguous() and work.numel() >= decoder.work_floats(tokens) and last.numel() == decoder.hidden
+        """Run the tokens `ids` at positions `start..` through every layer of `decoder`, whose layers' caches
+        are set; cos/sin `[T, head_dim]`; work holds at least `decoder.work_floats(T)` floats. With `logits`,
+        the last token's final normed hidden state goes to `last` `[hidden]`; without, the last layer stops
+        once its K/V are written."""
+        tokens = len(ids)
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[0] == tokens
+        assert work.numel() >= decoder.work_floats(tokens) and last.numel() == decoder.hidden
+        if min(ids) < 0 or max(ids) >= decoder.vocab:
+            raise ValueError(f"token ids must lie in [0, {decoder.vocab})")
         status = self._lib.tz_decoder_forward(ctypes.addressof(decoder.model), ctypes.addressof(decoder.structs),
-                                              len(decoder.layers), hidden.data_ptr(), tokens, start, cos.data_ptr(),
-                                              sin.data_ptr(), work.data_ptr(), int(logits), last.data_ptr())
+                                              len(decoder.layers), (ctypes.c_int64 * tokens)(*ids), tokens, start,
+                                              cos.data_ptr(), sin.data_ptr(), work.data_ptr(), int(logits),
+                                              last.data_ptr())
         if status != 0:
             raise RuntimeError("tz_decoder_forward refused its shapes")
 

@@ -599,6 +599,7 @@ struct TzLayer {
 };
 
 struct TzModel {
+  const float* embedding;  // [vocab, hidden], rows contiguous
   int64_t hidden, intermediate, heads, kv_heads, head_dim;
   float eps, scale;
   const float* final_norm;
@@ -606,16 +607,18 @@ struct TzModel {
   const float* after;  // what the caller reads after the last layer (the output head), prefetched; may be null
 };
 
-// Runs T tokens at positions start.. through every layer: hidden [T, model.hidden] is the embedded input and is
-// overwritten. cos and sin [T, head_dim] are the rotary tables of the positions. work holds T * (hidden +
-// (heads + 2 kv_heads) head_dim + heads head_dim + 3 intermediate) floats. The last layer runs attention and
+// Runs tokens ids[0, T) at positions start.. through every layer. cos and sin [T, head_dim] are the rotary tables
+// of the positions. work holds T * (2 hidden + (heads + 2 kv_heads) head_dim + heads head_dim + 3 intermediate)
+// floats. The last layer runs attention and
 // MLP for the last token only (only it reaches the logits), and not at all unless `logits`; then the last
 // token's final normed hidden state goes to last [hidden]. Returns 0, or -1 for a shape the kernels do not take.
-int tz_decoder_forward(const TzModel* model, const TzLayer* layers, int64_t n_layers, float* hidden, int64_t T,
+int tz_decoder_forward(const TzModel* model, const TzLayer* layers, int64_t n_layers, const int64_t* ids, int64_t T,
                        int64_t start, const float* cos, const float* sin, float* work, int logits, float* last) {
   const int64_t H = model->hidden, I = model->intermediate, D = model->head_dim;
   const int64_t q_width = model->heads * D, kv_width = model->kv_heads * D, qkv_width = q_width + 2 * kv_width;
-  float* normed = work;
+  float* hidden = work;
+  for (int64_t t = 0; t < T; t++) memcpy(hidden + t * H, model->embedding + ids[t] * H, H * 4);
+  float* normed = hidden + T * H;
   float* qkv = normed + T * H;
   float* attended = qkv + T * qkv_width;
   float* gate_up = attended + T * q_width;
