@@ -160,6 +160,8 @@ class ModelStateAdapter:
         copyable = (set(vars(template)) <= {"layers", "layer_class_to_replicate", "offloading"}
                     and all(type(layer) is DynamicLayer for layer in template.layers))
         self._template = template if copyable else None
+        self._last: DynamicCache | None = None
+        """The working cache handed out last (one is live at a time), which a continuing request takes over."""
 
     def new_cache(self, capacity: int, adopt: int = 0) -> tuple[DynamicCache, int]:
         """A working cache sized for `capacity` tokens (prompt plus the reply's budget).
@@ -168,13 +170,21 @@ class ModelStateAdapter:
         is live at a time. With `adopt`, the cache starts from that many tokens the previous working cache
         left in the buffers; returns the cache and the tokens it starts with (`adopt` or 0).
         """
+        last, self._last = self._last, None
+        if adopt and last is not None and all(isinstance(layer, GrowableKVLayer) for layer in last.layers):
+            # The last working cache itself, cut back: no layer objects or buffer views to rebuild.
+            if all(layer.truncate(adopt, capacity) for layer in last.layers):  # type: ignore[union-attr]
+                self._last = last
+                return last, adopt
         cache = self._fresh(capacity)
         layers = [layer for layer in cache.layers if isinstance(layer, GrowableKVLayer)]
         if adopt and layers and len(layers) == len(cache.layers):
-            if all(layer.adopt(adopt) for layer in layers):
-                return cache, adopt
-            cache = self._fresh(capacity)
-        return cache, 0
+            if not all(layer.adopt(adopt) for layer in layers):
+                cache, adopt = self._fresh(capacity), 0
+        else:
+            adopt = 0
+        self._last = cache
+        return cache, adopt
 
     def _fresh(self, capacity: int) -> DynamicCache:
         if self._template is not None:

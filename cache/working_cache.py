@@ -84,12 +84,6 @@ class GrowableKVLayer(DynamicLayer):
             self._value_buffer[:, :, position:position + values.shape[-2]].copy_(values)
         self._pending.clear()
 
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Write new K/V after the current length, leaving pieces appended by reference where they are;
-        returns `segments()`."""
-        self._write(key_states, value_states)
-        return self.segments()
-
     def reserve(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Room for new K/V rows after the current length, for a caller that writes them in place: `like` has
         their shape `[batch, kv_heads, n, head_dim]`, dtype and device. Returns the key and value buffer views
@@ -146,6 +140,16 @@ class GrowableKVLayer(DynamicLayer):
         self.device, self.is_initialized = held_keys.device, True
         self.keys, self.values = held_keys[:, :, :length], held_values[:, :, :length]
         self._grow(held_keys, held_values, max(self.capacity, length), filled=length)
+        return True
+
+    def truncate(self, length: int, capacity: int) -> bool:
+        """Keep only the first `length` tokens, for a next request that continues them with room for `capacity`
+        in all; False (nothing changed) when this layer cannot: pieces held by reference, fewer tokens, or a
+        buffer too small."""
+        if (self._pending or self._key_buffer is None or self._value_buffer is None or self.keys is None
+                or self.keys.shape[-2] < length or self._key_buffer.shape[-2] < capacity):
+            return False
+        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
         return True
 
     def _grow(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, filled: int) -> None:

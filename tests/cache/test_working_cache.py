@@ -12,13 +12,22 @@ def kv(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(1, 2, tokens, 8, generator=generator), torch.randn(1, 2, tokens, 8, generator=generator)
 
 
+def reserve_and_write(layer: GrowableKVLayer, keys: torch.Tensor, values: torch.Tensor
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """As the CPU decoder appends: reserve the rows, write them in place, read the segments."""
+    new_keys, new_values, segments = layer.reserve(keys)
+    new_keys.copy_(keys)
+    new_values.copy_(values)
+    return segments
+
+
 def test_pieces_by_reference_are_read_in_place_then_joined_on_demand() -> None:
     layer = GrowableKVLayer(capacity=8, pool=BufferPool())
     first, second, new = kv(1, 5), kv(2, 4), kv(3, 3)
     layer.defer(*first)
     layer.defer(*second)
     assert layer.get_seq_length() == 9
-    segments = layer.append(*new)
+    segments = reserve_and_write(layer, *new)
     assert layer.get_seq_length() == 12 and layer.capacity == 16  # grew past 8 without copying the pieces
     assert len(segments) == 3
     assert segments[0][0] is first[0] and segments[1][1] is second[1]  # the stored tensors themselves
@@ -35,8 +44,20 @@ def test_pieces_after_buffered_tokens_keep_their_positions() -> None:
     head, piece, tail = kv(5, 4), kv(6, 6), kv(7, 2)
     layer.update(*head)  # as an adopted prefix: already in the buffer
     layer.defer(*piece)
-    segments = layer.append(*tail)
+    segments = reserve_and_write(layer, *tail)
     assert [s[0].shape[2] for s in segments] == [4, 6, 2]
     layer.materialize()
     assert torch.equal(layer.keys, torch.cat([head[0], piece[0], tail[0]], dim=2))
     assert [s[0].shape[2] for s in layer.segments()] == [12]
+
+
+def test_a_continuing_request_cuts_the_last_layer_back_in_place() -> None:
+    layer = GrowableKVLayer(capacity=16, pool=BufferPool())
+    keys, values = kv(8, 10)
+    layer.update(keys, values)
+    assert not layer.truncate(11, 16)  # fewer tokens than asked for
+    assert not layer.truncate(6, 64)  # no room for the next request
+    assert layer.truncate(6, 16)
+    assert layer.get_seq_length() == 6 and torch.equal(layer.keys, keys[:, :, :6])
+    layer.defer(*kv(9, 3))
+    assert not layer.truncate(2, 16)  # pieces held by reference
