@@ -2,9 +2,10 @@
 
 After a reused prefix only the new tokens run, tens of them against a history of thousands; on one CPU
 thread that forward is bound by streaming every weight from memory once and by attention over the whole
-history, not by transformers' Python. This module runs it with the kernels of `cpu_kernels` over the same
-working cache, so stored spans and pooled buffers behave as with transformers' forward; a restored prefix
-that the working layer holds by reference (`GrowableKVLayer.defer`) is attended where it is stored.
+history, not by transformers' Python. This module runs it as one native call (`tz_decoder_forward`) over
+the same working cache, so stored spans and pooled buffers behave as with transformers' forward: Python
+only reserves each layer's new rows in the working layers, which the kernels write in place, and a
+restored prefix that a layer holds by reference (`GrowableKVLayer.defer`) is attended where it is stored.
 Chunks longer than `MAX_TOKENS` (cold prefill) stay on transformers' forward, whose library GEMMs are at
 their best on long inputs.
 
