@@ -125,6 +125,40 @@ void gemm_tile(const float* At, int64_t lat, const float* panel, int64_t K, floa
   }
 }
 
+// At[k, i] = A[i, k] for 16 rows of A (lda apart) and K columns, At rows `lat` apart: 16 x 16 blocks
+// transposed in registers; columns past the last multiple of 16 one by one.
+void transpose16(const float* A, int64_t lda, int64_t K, float* At, int64_t lat) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(A + i * lda + k);
+    // Interleave pairs, then quadruples, then 128-bit lanes twice: r[i] ends up holding column i.
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+      r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+      r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+      r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+      r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int i = 0; i < 4; i++) {
+      t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+      t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+      t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+      t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 8; i++) {
+      r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+      r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps(At + (k + i) * lat, r[i]);
+  }
+  for (; k < K; k++)
+    for (int64_t i = 0; i < 16; i++) At[k * lat + i] = A[i * lda + k];
+}
+
 using gemm_tile_fn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, __mmask16, __mmask16,
                               bool, const float*, const float*, int);
 const gemm_tile_fn GEMM_TILES[MAX_TILE + 1] = {
@@ -279,9 +313,11 @@ void tz_gemm(const float* A, int64_t M, int64_t K, int64_t lda, const float* pac
   float* At = scratch(K * lat);
   for (int64_t m0 = 0; m0 < M; m0 += MR) {
     const int64_t rows = M - m0 < MR ? M - m0 : MR;
-    // k outer: the writes run along At's rows and each row of A stays in L1 for 16 steps of k.
+    int64_t i0 = 0;
+    for (; i0 + 16 <= rows; i0 += 16) transpose16(A + (m0 + i0) * lda, lda, K, At + i0, lat);
+    // The rest, k outer: the writes run along At's rows and each row of A stays in L1 for 16 steps of k.
     for (int64_t k = 0; k < K; k++)
-      for (int64_t i = 0; i < rows; i++) At[k * lat + i] = A[(m0 + i) * lda + k];
+      for (int64_t i = i0; i < rows; i++) At[k * lat + i] = A[(m0 + i) * lda + k];
     const int nt = static_cast<int>((rows + MAX_TILE - 1) / MAX_TILE);
     for (int64_t p = 0; p < panels; p++) {
       const float* panel = packed + p * K * NR;

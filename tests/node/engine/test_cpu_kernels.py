@@ -42,7 +42,7 @@ def test_the_library_is_built_once_per_source(kernels: CpuKernels, tmp_path: Pat
 
 
 @pytest.mark.parametrize(("rows", "inputs", "outputs"), [(32, 512, 1536), (1, 64, 32000), (13, 100, 45),
-                                                         (64, 48, 16), (65, 32, 33), (7, 1, 1)])
+                                                         (64, 48, 16), (65, 32, 33), (7, 1, 1), (20, 37, 70)])
 def test_gemm_matches_matmul(kernels: CpuKernels, rows: int, inputs: int, outputs: int) -> None:
     generator = torch.Generator().manual_seed(rows * 1000 + outputs)
     weight = torch.randn(outputs, inputs, generator=generator)
@@ -107,9 +107,9 @@ def test_head_argmax_leaves_undecidable_inputs_to_the_caller(kernels: CpuKernels
 def test_gemm_reads_strided_rows_and_transposed_weights(kernels: CpuKernels) -> None:
     generator = torch.Generator().manual_seed(1)
     weight_t = torch.randn(40, 70, generator=generator)  # [in, out], as TransposedLinear holds it
-    wide = torch.randn(9, 100, generator=generator)
+    wide = torch.randn(19, 100, generator=generator)
     x = wide[:, 10:50]  # rows 100 floats apart
-    out = torch.zeros(9, 90)[:, 5:75]
+    out = torch.zeros(19, 90)[:, 5:75]
     kernels.gemm(x, kernels.pack(weight_t.t()), out)
     assert close(out, x @ weight_t)
 
