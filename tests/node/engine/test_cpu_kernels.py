@@ -75,7 +75,8 @@ def head_logits(kernels: CpuKernels, x: torch.Tensor, head: PackedHead) -> torch
     return logits[0]
 
 
-@pytest.mark.parametrize(("rows", "inputs", "with_bias"), [(1000, 64, False), (333, 96, True), (4100, 512, False)])
+@pytest.mark.parametrize(("rows", "inputs", "with_bias"), [(1000, 64, False), (333, 95, True), (4100, 512, False),
+                                                           (700, 37, False)])
 def test_head_argmax_is_the_argmax_of_the_float32_logits(kernels: CpuKernels, rows: int, inputs: int,
                                                          with_bias: bool) -> None:
     """The int8 screen picks exactly the token of the full float32 logits, ties and rows that only the low
@@ -91,6 +92,21 @@ def test_head_argmax_is_the_argmax_of_the_float32_logits(kernels: CpuKernels, ro
         logits = head_logits(kernels, x, head)
         assert close(logits, weight @ x + (bias if bias is not None else 0))
         assert kernels.head_argmax(x, head) == int(torch.argmax(logits)), trial
+
+
+def test_head_argmax_finds_a_row_the_screen_ranks_below_another(kernels: CpuKernels) -> None:
+    """Rows built so that int8 rounding reverses their order: row 1 screens 0.01 above row 2 but is 0.009
+    below it in float32. Only a bound that covers the rounding keeps row 2 a candidate."""
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randn(100, 8, generator=generator) * 0.001  # rows far below the two
+    step = 0.01
+    for row, (second, third) in ((1, (5 - 0.45, 3 + 0.51)), (2, (5 + 0.45, 3 + 0.49))):
+        weight[row] = torch.tensor([127.0, second, third, 0, 0, 0, 0, 0]) * step  # same scale: max is 1.27
+    head = kernels.pack_head(weight)
+    x = torch.tensor([0.0, 1.0, 1.0, 0, 0, 0, 0, 0])
+    logits = head_logits(kernels, x, head)
+    assert int(torch.argmax(logits)) == 2
+    assert kernels.head_argmax(x, head) == 2
 
 
 def test_head_argmax_leaves_undecidable_inputs_to_the_caller(kernels: CpuKernels) -> None:
