@@ -158,31 +158,27 @@ async def _send(response: web.StreamResponse, payload: dict[str, Any] | str) -> 
 async def _stream(request: web.Request, response: web.StreamResponse, job: MeteredJob, params: CommonParams,
                   shape: Shape) -> web.StreamResponse:
     """The job's events as server-sent events on the prepared `response`."""
-
-    async def send(payload: dict[str, Any] | str) -> None:
-        await _send(response, payload)
-
     while True:
         try:
             event = await _next_event(job)
         except ApiError as unrecorded:
-            await send(unrecorded.body())
+            await _send(response, unrecorded.body())
             break
         if isinstance(event, TextDelta):
-            await send(shape.chunk(event.text))
+            await _send(response, shape.chunk(event.text))
             job.job.first_written.set()
         elif isinstance(event, Finished):
             _observe(request, event.result)
-            await send(shape.chunk(None if shape.chat else "", _finish_reason(event.result)))
+            await _send(response, shape.chunk(None if shape.chat else "", _finish_reason(event.result)))
             if params.include_usage:
-                await send(shape.usage_chunk(event.result))
+                await _send(response, shape.usage_chunk(event.result))
             break
         else:
             error = event.error if isinstance(event.error, ApiError) else ApiError(
                 500, "the model failed on this request; the node keeps serving", type="server_error")
-            await send(error.body())
+            await _send(response, error.body())
             break
-    await send("[DONE]")
+    await _send(response, "[DONE]")
     await response.write_eof()
     return response
 

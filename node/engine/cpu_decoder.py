@@ -102,6 +102,9 @@ class CpuDecoder:
         # One forward runs at a time per model (its worker thread): scratch is allocated once.
         self._work = torch.empty(self._native.work_floats(MAX_TOKENS))
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        kind = str(getattr(body.rotary_emb, "rope_type", "default"))
+        self._rope_by_position = "dynamic" not in kind and kind != "longrope"
+        """Whether cos/sin depend on the position alone (dynamic rope types rescale with the length)."""
         self._like = torch.empty(1, self.kv_heads, MAX_TOKENS, self.head_dim)
         """The shape, dtype and device of new K/V rows, for reserving them in the working cache."""
 
@@ -136,8 +139,7 @@ class CpuDecoder:
         depend on the position alone (every rope type but the dynamic ones, which rescale with the length),
         they come from a table of the positions so far, which grows by doubling."""
         rotary = self._model.model.rotary_emb
-        kind = str(getattr(rotary, "rope_type", "default"))
-        if "dynamic" in kind or kind == "longrope":
+        if not self._rope_by_position:
             cos, sin = rotary(self._final_norm, torch.arange(start, start + tokens).unsqueeze(0))
             return cos[0].contiguous(), sin[0].contiguous()
         end = start + tokens
@@ -158,8 +160,8 @@ class CpuDecoder:
         step, gives transformers' own logits (within AGREEMENT of the largest)."""
         model, vocab = self._model, self._head.out_features
         generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(min(100, vocab - 1), vocab, (8 + 20 + 1,),
-                            generator=generator).tolist()
+        # A prefill of 8 by transformers, a chunk of 20 and a decode step by this forward.
+        ids = torch.randint(min(100, vocab - 1), vocab, (8 + 20 + 1,), generator=generator).tolist()
         cache = DynamicCache(config=model.config)
         cache.layers = [GrowableKVLayer(len(ids)) for _ in cache.layers]
         model(input_ids=torch.tensor([ids[:8]]), cache=cache, use_cache=True)
