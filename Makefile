@@ -2,7 +2,8 @@
 # Both create the virtual environment on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+# Reinstalled when the project's definition or the native kernels' source change (the install builds them).
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py node/engine/kernels/cpu_kernels.cpp | cksum | cut -d' ' -f1)
 HOST ?= 127.0.0.1
 PORT ?= 8080
 
@@ -10,11 +11,12 @@ PORT ?= 8080
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py node/engine/kernels/cpu_kernels.cpp
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU wheel first: a bare torch requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
+	# Builds the native CPU kernels too (setup.py); without a compiler the install still succeeds.
 	$(PY) -m pip install --quiet -e '.[test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
@@ -22,11 +24,14 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/tenzro node serve --model default --host $(HOST) --port $(PORT)
 
+# The whole suite, then the engine and server tests again on transformers' forward (TENZRO_NATIVE=off), so
+# both forward paths are tested on a machine that runs the native kernels. -rs prints every skip's reason.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -rs tests
+	TENZRO_NATIVE=off $(PY) -m pytest -q -rs tests/node
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check node cache metering tests
+	$(VENV)/bin/ruff check node cache metering policies tests scripts setup.py
 	$(VENV)/bin/mypy
 
 clean:

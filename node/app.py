@@ -89,7 +89,8 @@ def create_app(config: NodeConfig, config_path: Path, service: ModelService,
     app[METRICS] = NodeMetrics(
         cached_bytes=lambda: float(prefix_cache.arena.bytes_total) if prefix_cache is not None else 0.0,
         queue_waiting=lambda: float(service.scheduler.waiting),
-        snapshot_bytes=lambda: float(prefix_cache.arena.snapshot_bytes) if prefix_cache is not None else 0.0)
+        snapshot_bytes=lambda: float(prefix_cache.arena.snapshot_bytes) if prefix_cache is not None else 0.0,
+        forward_path=(service.model_id, service.loaded.forward_path.name, service.loaded.forward_path.reason))
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         service.scheduler.start()

@@ -92,7 +92,9 @@ def _serve(args: argparse.Namespace) -> int:
     prefix_cache = None if args.no_reuse else PrefixCache(budget)
     service = ModelService.create(loaded, prefix_cache, config.limits.max_queue, policy)
     app = create_app(config, config_path, service, prefix_cache, metering)
-    message = _how_to_call(args.host, args.port, model_id, new_key)
+    forward = loaded.forward_path
+    message = (_how_to_call(args.host, args.port, model_id, new_key)
+               + f"Forward: {forward.name} ({forward.reason}); TENZRO_NATIVE=off keeps transformers'\n")
     try:
         web.run_app(app, host=args.host, port=args.port, access_log=None, print=lambda _: print(
             message + _metering_lines(app[METER], metering, created_prices), flush=True))

@@ -20,11 +20,13 @@ from metering.pricing import PricingSource, load_pricing, save_pricing
 from metering.record import RecordStatus, TokenCounts, UsageRecord
 from metering.signer import NodeSigner
 from node.engine.scheduler import Event, Failed, Finished, Job
+from policies import policy_file
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PRICE_POLICY = Path(__file__).resolve().parents[1] / "policies" / "pricing.yaml"
-"""Prices a node starts with when its price file does not exist yet."""
+DEFAULT_PRICE_POLICY = policy_file("pricing.yaml")
+"""Prices a node starts with when its price file does not exist yet: `policies/pricing.yaml`, installed with
+the node as package data (a wheel has no source tree to read it from)."""
 
 NO_TOKENS = TokenCounts(input_tokens=0, cached_read_tokens=0, cached_write_tokens=0, output_tokens=0)
 

@@ -57,9 +57,11 @@ async def generation(request: web.Request) -> web.Response:
 
 
 async def node_identity(request: web.Request) -> web.Response:
-    """Which key signs this node start's records, and the prices it charges now; no key needed."""
+    """Which key signs this node start's records, the prices it charges now and which forward its model runs
+    on (and why); no key needed."""
     meter = request.app[METER]
     prices = meter.pricing.current()
+    forward = request.app[SERVICE].loaded.forward_path
     return web.json_response({
         "object": "node",
         "model": request.app[SERVICE].model_id,
@@ -69,6 +71,7 @@ async def node_identity(request: web.Request) -> web.Response:
         "ledger_segment": meter.ledger.path.name,
         "prices": {name: wei_to_json(value) for name, value in prices.to_mapping().items()},
         "pricing_error": meter.pricing.reload_error,
+        "forward": {"path": forward.name, "reason": forward.reason},
     })
 
 

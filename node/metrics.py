@@ -11,7 +11,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 class NodeMetrics:
     def __init__(self, cached_bytes: Callable[[], float], queue_waiting: Callable[[], float],
-                 snapshot_bytes: Callable[[], float] = lambda: 0.0) -> None:
+                 snapshot_bytes: Callable[[], float] = lambda: 0.0,
+                 forward_path: tuple[str, str, str] | None = None) -> None:
+        """`forward_path`: (model, path, reason) of the served model, reported as an info gauge."""
         self.registry = CollectorRegistry()
         self.requests = Counter("tenzro_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
@@ -33,6 +35,11 @@ class NodeMetrics:
         snapshots.set_function(snapshot_bytes)
         waiting = Gauge("tenzro_queue_waiting", "Requests waiting for the model", registry=self.registry)
         waiting.set_function(queue_waiting)
+        if forward_path is not None:
+            forward = Gauge("tenzro_forward_path", "Which forward runs the model's short chunks and decode steps "
+                            "(native CPU kernels or transformers), and why; always 1", ["model", "path", "reason"],
+                            registry=self.registry)
+            forward.labels(*forward_path).set(1)
 
     def observe_generation(self, prompt: int, reused: int, matched: int, completion: int, ttft_s: float,
                            wait_s: float) -> None:

@@ -3,7 +3,8 @@
     .venv/bin/python scripts/kernel_ab.py A.so B.so [LENGTH ...]
 
 Build each library from a version of node/engine/kernels/cpu_kernels.cpp with
-`g++ -O3 -march=native -std=c++17 -shared -fPIC -o X.so cpu_kernels.cpp`. For each length (default 1024
+`g++ -O3 -march=x86-64-v4 -mtune=generic -std=c++17 -shared -fPIC -o X.so cpu_kernels.cpp` (setup.py's flags,
+which the node runs). For each length (default 1024
 and 2048) it prefills a prompt minus 32 tokens, then times the 32-token resumed forward plus its greedy
 token, alternating the two libraries (the packed weights are shared), with caches flushed between runs,
 and prints the medians: this machine drifts by more than most kernel changes, so only side by side counts.

@@ -12,6 +12,7 @@ FORBIDDEN = {
     "metering": {"torch", "aiohttp", "node", "cache", "transformers"},
     "attestation": {"torch", "aiohttp", "node", "cache", "transformers"},
     "cache": {"aiohttp", "node"},
+    "policies": {"torch", "aiohttp", "node", "cache", "metering", "transformers"},
 }
 
 

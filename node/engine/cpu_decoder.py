@@ -18,7 +18,6 @@ bytes and picks exactly the token the full float32 logits would (see `tz_head_ar
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -27,8 +26,6 @@ from transformers import DynamicCache, LlamaForCausalLM
 from cache.working_cache import GrowableKVLayer
 from node.engine.cpu_kernels import CpuKernels, LayerWeights, NativeDecoder, PackedHead
 from node.engine.prediction import Prediction
-
-log = logging.getLogger(__name__)
 
 MAX_TOKENS = 64
 """Longest chunk this forward takes; longer chunks are cold prefill, run by transformers."""
@@ -60,8 +57,8 @@ class HeadPrediction(Prediction):
         return int(torch.argmax(self.logits()))
 
 
-def _supports(model: Any) -> str | None:
-    """Why `model` cannot run here, or None."""
+def unsupported_reason(model: Any) -> str | None:
+    """Why `model` cannot run on this forward, or None."""
     config = model.config
     if type(model) not in DECODERS:
         return f"{type(model).__name__} has no CPU decoder"
@@ -110,11 +107,8 @@ class CpuDecoder:
 
     @classmethod
     def build(cls, model: Any, kernels: CpuKernels | None) -> CpuDecoder | None:
-        if kernels is None:
-            return None
-        reason = _supports(model)
-        if reason is not None:
-            log.debug("no CPU decoder: %s", reason)
+        """The decoder of `model`, or None where there are no kernels or the model is not one it runs."""
+        if kernels is None or unsupported_reason(model) is not None:
             return None
         return cls(model, kernels)
 

@@ -1,21 +1,19 @@
-"""The CPU kernels of `kernels/cpu_kernels.cpp`: built with the machine's C++ compiler on first use, called
+"""The CPU kernels of `kernels/cpu_kernels.cpp`: built when the project is installed (setup.py), called
 through ctypes (which releases the GIL, so the event loop keeps serving during a forward).
 
 They exist for the few-token forwards of a resumed prompt on one thread, where library kernels leave
-memory traffic and arithmetic serial (see the source's header). Any machine without AVX-512 or a compiler
-gets None from `load_kernels` and the engine runs transformers' own forward instead.
+memory traffic and arithmetic serial (see the source's header). A machine without AVX-512, an install
+that could not build them, or `TENZRO_NATIVE=off` gets no kernels from `load_kernels`, with the reason,
+and the engine runs transformers' own forward instead.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import importlib.util
 import logging
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +22,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "cpu_kernels.cpp"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 ALIGNMENT = 64
 """Bytes: packed panels are read with aligned vector loads."""
 
@@ -313,52 +309,60 @@ class CpuKernels:
         self._lib.tz_silu_mul(gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr())
 
 
-def _cpu_model() -> str | None:
-    """The first CPU's model name and flags: what -march=native depends on, so a library built on one CPU
-    model never loads on another. None where /proc/cpuinfo cannot be read."""
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma")
+"""What the library is built for (x86-64-v4, setup.py) and what the CPU must report before it is called."""
+
+NATIVE_SWITCH = "TENZRO_NATIVE"
+"""`TENZRO_NATIVE=off` (or 0, false, no) keeps every model on transformers' forward: the fallback path,
+tested on machines that could run the kernels."""
+
+
+def native_switched_off() -> bool:
+    return os.environ.get(NATIVE_SWITCH, "").strip().lower() in ("off", "0", "false", "no")
+
+
+def _cpu_flags() -> frozenset[str] | None:
+    """The first CPU's feature flags, or None where /proc/cpuinfo cannot be read."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    return "\n".join([line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2])
+    line = next((line for line in info.splitlines() if line.startswith("flags")), None)
+    return None if line is None else frozenset(line.partition(":")[2].split())
 
 
-def _build(target: Path, compiler: str) -> bool:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
-                                check=False)
-        if result.returncode != 0:
-            log.warning("CPU kernels did not build (%s); using transformers' forward: %s", compiler,
-                        result.stderr.strip()[-500:])
-            return False
-        os.replace(built, target)  # atomic: a concurrent loader sees the old name or the whole file
-    return True
+def library_path() -> Path | None:
+    """Where the install put the built library (`node/engine/_cpu_kernels*.so`), or None: not built."""
+    spec = importlib.util.find_spec(f"{__package__}._cpu_kernels")
+    return None if spec is None or spec.origin is None else Path(spec.origin)
 
 
-def default_cache_dir() -> Path:
-    """Built libraries are per machine, not per node home: $XDG_CACHE_HOME/tenzro/kernels."""
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "tenzro" / "kernels"
+@dataclass(frozen=True, slots=True)
+class KernelsFound:
+    """The kernels when this machine can run them, else None and why not."""
+
+    kernels: CpuKernels | None
+    reason: str
 
 
-def load_kernels(cache_dir: Path | None = None) -> CpuKernels | None:
-    """The kernels for this machine, built into `cache_dir` on first use; None where they cannot run."""
-    cache_dir = cache_dir or default_cache_dir()
-    cpu = _cpu_model()
-    if platform.machine() not in ("x86_64", "AMD64") or cpu is None or " avx512f " not in f" {cpu} ".replace("\n", " "):
-        return None
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        log.warning("no C++ compiler found; using transformers' forward on the CPU")
-        return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + cpu.encode()).hexdigest()
-    target = cache_dir / f"cpu_kernels-{digest[:16]}.so"
+def load_kernels(library: Path | None = None) -> KernelsFound:
+    """The kernels built at install (or `library`), where this process may and this CPU can run them."""
+    if native_switched_off():
+        return KernelsFound(None, f"switched off by {NATIVE_SWITCH}={os.environ[NATIVE_SWITCH]}")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return KernelsFound(None, f"the native kernels are x86-64 code; this CPU is {platform.machine()}")
+    flags = _cpu_flags()
+    if flags is None:
+        return KernelsFound(None, "the CPU's features cannot be read (/proc/cpuinfo)")
+    missing = [flag for flag in REQUIRED_FLAGS if flag not in flags]
+    if missing:
+        best = "AVX2" if "avx2" in flags else "no AVX2"
+        return KernelsFound(None, f"this CPU has no AVX-512 ({best}; missing {', '.join(missing)})")
+    library = library or library_path()
+    if library is None or not library.is_file():
+        return KernelsFound(None, "the native kernels were not built when the node was installed "
+                                  "(no C++ compiler then?); reinstall with g++ present to get them")
     try:
-        if not target.exists() and not _build(target, compiler):
-            return None
-        library = ctypes.CDLL(str(target))
-    except OSError as exc:  # an unwritable cache directory, a library that does not load
-        log.warning("CPU kernels unavailable (%s); using transformers' forward", exc)
-        return None
-    return CpuKernels(library)
+        return KernelsFound(CpuKernels(ctypes.CDLL(str(library))), f"AVX-512 kernels from {library.name}")
+    except (OSError, AttributeError) as exc:  # a library that does not load, or lacks a function
+        return KernelsFound(None, f"the native kernels do not load: {exc}")

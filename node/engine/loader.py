@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from cache.adapters import ModelStateAdapter
 from cache.state_spec import UnsupportedLayerKindError, model_state_specs
 from node.engine import mamba1, mamba2
-from node.engine.cpu_decoder import CpuDecoder
+from node.engine.cpu_decoder import CpuDecoder, unsupported_reason
 from node.engine.cpu_kernels import load_kernels
 from node.engine.cpu_layout import transpose_linear_weights
 from node.engine.prediction import Logits, Prediction
@@ -28,6 +28,16 @@ DEFAULT_MODEL = "default"
 
 class ModelLoadError(Exception):
     """The model directory cannot be served; the message says what is missing."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardPath:
+    """Which forward runs a model's short chunks and decode steps, and why: logged at start and reported by
+    `GET /v1/node` and `/metrics`."""
+
+    name: str
+    """"native" (the CPU kernels, `cpu_decoder.py`) or "transformers"."""
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +55,7 @@ class LoadedModel:
     reuse_blocker: str | None
     decoder: CpuDecoder | None = None
     """The CPU kernels' forward for short chunks, where the model has one and the node runs on one thread."""
+    forward_path: ForwardPath = ForwardPath("transformers", "not loaded by load_model")
 
     def forward(self, ids: list[int], start: int, cache: DynamicCache) -> Prediction:
         """Run `ids` at positions `[start, start + len)` into `cache`; returns the last position's prediction
@@ -114,25 +125,31 @@ def _available_memory() -> int | None:
     return None
 
 
-def _cpu_decoder(model: Any, model_id: str) -> CpuDecoder | None:
-    """The kernels' forward where it applies: one torch thread (the kernels are single-threaded), room for
-    its packed copy of the weights (at most half of the memory still available), and a model whose short
-    forward it reproduces (checked here against transformers' own)."""
-    if torch.get_num_threads() != 1:
-        return None
+def _cpu_decoder(model: Any) -> tuple[CpuDecoder | None, str]:
+    """The kernels' forward where it applies, else None; and why. It needs the kernels (built at install,
+    an AVX-512 CPU, not switched off), one torch thread (the kernels are single-threaded), room for its
+    packed copy of the weights (at most half of the memory still available), a model class it implements,
+    and a short forward that reproduces transformers' own (checked here)."""
+    found = load_kernels()
+    if found.kernels is None:
+        return None, found.reason
+    threads = torch.get_num_threads()
+    if threads != 1:
+        return None, f"the native kernels are single-threaded and the node runs {threads} torch threads"
+    unsupported = unsupported_reason(model)
+    if unsupported is not None:
+        return None, unsupported
     weights = sum(m.weight.numel() * 4 for m in model.modules() if hasattr(m, "in_features"))
     head = getattr(model, "lm_head", None)
     weights += head.weight.numel() if head is not None else 0  # the head's int8 screen
     available = _available_memory()
     if available is not None and weights > available // 2:
-        log.warning("model %s: no room for the CPU kernels' packed weights (%d MiB); using transformers' forward",
-                    model_id, weights >> 20)
-        return None
-    decoder = CpuDecoder.build(model, load_kernels())
-    if decoder is not None and not decoder.agrees_with_model():
-        log.warning("model %s: the CPU kernels' forward differs from transformers'; not used", model_id)
-        return None
-    return decoder
+        return None, (f"no room for the packed copy of the weights ({weights >> 20} MiB; "
+                      f"{available >> 20} MiB of memory available)")
+    decoder = CpuDecoder(model, found.kernels)
+    if not decoder.agrees_with_model():
+        return None, "the native forward failed its check against transformers' forward at load"
+    return decoder, f"{found.reason}, checked against transformers' forward at load"
 
 
 def load_model(model_id: str, path: Path, device: str | None = None, dtype: str | None = None) -> LoadedModel:
@@ -150,7 +167,9 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
             transpose_linear_weights(model)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load the model in {path}: {exc}") from exc
-    decoder = _cpu_decoder(model, model_id) if target.type == "cpu" else None
+    decoder, why = _cpu_decoder(model) if target.type == "cpu" else (None, f"the model runs on {target.type}")
+    path_taken = ForwardPath("native" if decoder is not None else "transformers", why)
+    log.info("model %s: %s forward (%s)", model_id, path_taken.name, why)
     text_config = config.get_text_config(decoder=True)
     context = int(getattr(text_config, "max_position_embeddings", 0) or tokenizer.model_max_length)
     state: ModelStateAdapter | None = None
@@ -161,7 +180,7 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
         blocker = str(exc)
     loaded = LoadedModel(model_id=model_id, path=path, model=model, tokenizer=tokenizer, context_length=context,
                          device=target, dtype=torch_dtype, eos_token_ids=_eos_ids(model, tokenizer), state=state,
-                         reuse_blocker=blocker, decoder=decoder)
+                         reuse_blocker=blocker, decoder=decoder, forward_path=path_taken)
     if state is not None:
         check = check_reuse(loaded.forward, state, int(text_config.vocab_size), torch_dtype)
         if not check.passed:

@@ -206,7 +206,7 @@ def test_models_and_metrics(node_factory, small_model_dir: Path) -> None:
             return await resp.text()
 
     text = asyncio.run(scrape())
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line and not line.startswith("#")}
     assert values['tenzro_prompt_tokens_total{source="reused"}'] == 50
     assert values['tenzro_prompt_tokens_total{source="prefilled"}'] == 51
@@ -216,6 +216,29 @@ def test_models_and_metrics(node_factory, small_model_dir: Path) -> None:
     per_token = 2 * 2 * 2 * 32 * 4
     assert values["tenzro_cached_bytes"] == (52 + 1 + 2) * per_token
     assert "alice" not in text
+
+
+def test_the_node_says_which_forward_its_model_runs_and_why(node_factory, small_model_dir: Path) -> None:
+    """The same choice as an in-process load on this machine (native kernels or transformers), in the start
+    log, `GET /v1/node` and `/metrics`."""
+    expected = load_model(small_model_dir.name, small_model_dir).forward_path
+    node = node_factory(small_model_dir)
+
+    async def read() -> tuple[dict[str, object], str]:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(node.url + "/v1/node") as resp:
+                identity = await resp.json()
+            async with session.get(node.url + "/metrics") as resp:
+                return identity, await resp.text()
+
+    identity, metrics = asyncio.run(read())
+    assert identity["forward"] == {"path": expected.name, "reason": expected.reason}
+    reason = expected.reason.replace("\\", "\\\\").replace('"', '\\"')
+    assert (f'tenzro_forward_path{{model="{small_model_dir.name}",path="{expected.name}",reason="{reason}"}} 1.0'
+            in metrics.splitlines())
+    log = (node.config.parent / "node.log").read_text()
+    assert f"model {small_model_dir.name}: {expected.name} forward ({expected.reason})" in log
+    assert f"Forward: {expected.name} ({expected.reason})" in log
 
 
 @pytest.mark.parametrize("bad", ["/nonexistent"])

@@ -115,12 +115,31 @@ def test_loader_serves_the_small_model_through_the_decoder_on_one_thread(
     assert torch.get_num_threads() == 1  # tests/conftest.py
     loaded = load_model("small", small_model_dir)
     assert loaded.decoder is not None and loaded.state is not None
+    assert loaded.forward_path.name == "native"
+    assert loaded.forward_path.reason.endswith("checked against transformers' forward at load")
     monkeypatch.setattr(loader, "_available_memory", lambda: 2 * 1024 * 1024)
-    assert load_model("small", small_model_dir).decoder is None  # no room for a packed copy of its 8.6 MB of weights
+    roomless = load_model("small", small_model_dir)  # no room for a packed copy of its weights and head screen
+    assert roomless.decoder is None and roomless.forward_path == loader.ForwardPath(
+        "transformers", "no room for the packed copy of the weights (10 MiB; 2 MiB of memory available)")
     monkeypatch.setattr(loader, "_available_memory", lambda: None)
     assert load_model("small", small_model_dir).decoder is not None
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert load_model("small", small_model_dir).decoder is None  # the kernels are single-threaded
+    threaded = load_model("small", small_model_dir)
+    assert threaded.decoder is None and threaded.forward_path.reason == (
+        "the native kernels are single-threaded and the node runs 2 torch threads")
+
+
+def test_the_switch_keeps_a_model_on_transformers_forward(kernels: CpuKernels, small_model_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TENZRO_NATIVE", "off")
+    loaded = load_model("small", small_model_dir)
+    assert loaded.decoder is None and loaded.state is not None
+    assert loaded.forward_path == loader.ForwardPath("transformers", "switched off by TENZRO_NATIVE=off")
+
+
+def test_a_model_class_without_a_native_decoder_says_so(kernels: CpuKernels, tmp_path: Path) -> None:
+    loaded = load_model("m", init_model("mistral", tmp_path / "m", "small"))
+    assert loaded.forward_path == loader.ForwardPath("transformers", "MistralForCausalLM has no CPU decoder")
 
 
 def test_a_decoder_that_disagrees_with_transformers_is_not_used(
@@ -129,3 +148,4 @@ def test_a_decoder_that_disagrees_with_transformers_is_not_used(
     monkeypatch.setattr(loader.CpuDecoder, "forward", lambda self, ids, start, cache: Logits(torch.zeros(32000)))
     loaded = load_model("small", directory)
     assert loaded.decoder is None and loaded.state is not None
+    assert loaded.forward_path.reason == "the native forward failed its check against transformers' forward at load"

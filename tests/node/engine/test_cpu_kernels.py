@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from node.engine import cpu_kernels
 from node.engine.cpu_kernels import CpuKernels, PackedHead, load_kernels
 
 TOLERANCE = 1e-5
@@ -19,26 +20,44 @@ def close(got: torch.Tensor, expected: torch.Tensor) -> bool:
     return float((got - expected).abs().max()) <= TOLERANCE * max(1.0, float(expected.abs().max()))
 
 
-def test_a_machine_without_a_compiler_gets_no_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("shutil.which", lambda name: None)
-    assert load_kernels(tmp_path) is None
-    assert not list(tmp_path.iterdir())
+def test_switched_off_means_no_kernels_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TENZRO_NATIVE", "off")
+    found = load_kernels()
+    assert found.kernels is None and found.reason == "switched off by TENZRO_NATIVE=off"
 
 
-def test_an_unwritable_cache_directory_means_no_kernels_not_a_failed_start(kernels: CpuKernels,
-                                                                          tmp_path: Path) -> None:
-    blocked = tmp_path / "file"
-    blocked.write_text("not a directory")
-    assert load_kernels(blocked / "kernels") is None
+def test_a_cpu_without_avx512_gets_no_kernels_and_says_what_it_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TENZRO_NATIVE", raising=False)
+    avx2_only = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2".split()
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset(avx2_only))
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    found = load_kernels()
+    assert found.kernels is None
+    assert found.reason == "this CPU has no AVX-512 (AVX2; missing avx512f, avx512bw, avx512cd, avx512dq, avx512vl)"
 
 
-def test_the_library_is_built_once_per_source(kernels: CpuKernels, tmp_path: Path) -> None:
-    assert load_kernels(tmp_path) is not None
-    built = list(tmp_path.iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so"
-    stamp = built[0].stat().st_mtime_ns
-    assert load_kernels(tmp_path) is not None
-    assert built[0].stat().st_mtime_ns == stamp
+def test_an_install_that_built_no_library_means_no_kernels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("TENZRO_NATIVE", raising=False)
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset(cpu_kernels.REQUIRED_FLAGS))
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_kernels, "library_path", lambda: None)
+    assert "not built when the node was installed" in load_kernels().reason
+    broken = tmp_path / "_cpu_kernels.so"
+    broken.write_bytes(b"not a shared library")
+    found = load_kernels(broken)
+    assert found.kernels is None and found.reason.startswith("the native kernels do not load")
+
+
+def test_another_architecture_gets_no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TENZRO_NATIVE", raising=False)
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "aarch64")
+    assert load_kernels().reason == "the native kernels are x86-64 code; this CPU is aarch64"
+
+
+def test_the_installed_library_is_the_one_loaded(kernels: CpuKernels) -> None:
+    path = cpu_kernels.library_path()
+    assert path is not None and path.parent == Path(cpu_kernels.__file__).parent
+    assert load_kernels().reason == f"AVX-512 kernels from {path.name}"
 
 
 @pytest.mark.parametrize(("rows", "inputs", "outputs"), [(32, 512, 1536), (1, 64, 32000), (13, 100, 45),

@@ -25,9 +25,10 @@ from node.engine import mamba2
 from node.engine.loader import load_model
 from node.engine.synthetic import SIZES, init_model
 from tests.node.engine.model_calls import forward, prefill
+from tests.numeric import relative_error
 
-TOLERANCE = 1e-4  # float32; logits are of order 1 to 5
-STATE_EFFECT = 1e-3
+TOLERANCE = 1e-4  # of the largest |logit| (tests/numeric.py); float32 logits are of order 1 to 5
+STATE_EFFECT = 1e-3  # relative: how far a forgotten state moves the logits, at the least
 """The least logit change that zeroing the recurrent state causes on these models (measured 4e-3 to 5):
 a recurrence that lost the state could not pass within TOLERANCE."""
 CHUNK = SIZES["small"].ssm_chunk  # 16: the sequential path takes tails of up to 8 tokens
@@ -117,9 +118,6 @@ def snapshot(cache: DynamicCache, config: Any, zero_recurrent: bool = False) -> 
     return fresh
 
 
-def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max())
-
 
 def test_install_patches_each_mamba2_mixer_and_nothing_else(pair: Pair) -> None:
     assert pair.patch_count == pair.mixers
@@ -133,7 +131,7 @@ def test_install_patches_each_mamba2_mixer_and_nothing_else(pair: Pair) -> None:
 def test_short_chunks_after_a_prompt_equal_one_pass(pair: Pair, scans: list[int]) -> None:
     ids = tokens(1, A_LEN + 31)
     got = prefill(pair.patched, ids, 0, pair.new_cache(), [A_LEN, 1, 3, 7, 20])
-    assert max_error(got, pair.reference(ids)) < TOLERANCE
+    assert relative_error(got, pair.reference(ids)) < TOLERANCE
     mixers = pair.mixers
     # 70 = 64 upstream + 6; the one-token step is upstream's decode; 20 = 16 upstream + 4.
     assert scans == [6] * mixers + [3] * mixers + [7] * mixers + [4] * mixers
@@ -146,14 +144,14 @@ def test_resume_from_a_snapshot_equals_one_pass(pair: Pair) -> None:
     resumed, forgotten = snapshot(cache, pair.config), snapshot(cache, pair.config, zero_recurrent=True)
     forward(pair.patched, tokens(3, 5), A_LEN, cache)  # the original moves on; the snapshot must not
     want = pair.reference(a + b)[A_LEN:]
-    assert max_error(forward(pair.patched, b, A_LEN, resumed), want) < TOLERANCE
-    assert max_error(forward(pair.patched, b, A_LEN, forgotten), want) > STATE_EFFECT
+    assert relative_error(forward(pair.patched, b, A_LEN, resumed), want) < TOLERANCE
+    assert relative_error(forward(pair.patched, b, A_LEN, forgotten), want) > STATE_EFFECT
 
 
 def test_long_chunks_run_upstream_and_equal_one_pass(pair: Pair, scans: list[int]) -> None:
     ids = tokens(4, A_LEN + 65)
     got = prefill(pair.patched, ids, 0, pair.new_cache(), [A_LEN, 12, 32, 21])
-    assert max_error(got, pair.reference(ids)) < TOLERANCE
+    assert relative_error(got, pair.reference(ids)) < TOLERANCE
     mixers = pair.mixers
     # A tail of 12 is not short (> 8) and 32 is whole chunks: both upstream; 21 = 16 upstream + 5.
     assert scans == [6] * mixers + [5] * mixers
@@ -162,14 +160,14 @@ def test_long_chunks_run_upstream_and_equal_one_pass(pair: Pair, scans: list[int
 def test_decoding_after_a_short_continuation_equals_one_pass(pair: Pair) -> None:
     ids = tokens(5, A_LEN + 15)
     got = prefill(pair.patched, ids, 0, pair.new_cache(), [A_LEN, 5] + [1] * 10)
-    assert max_error(got, pair.reference(ids)) < TOLERANCE
+    assert relative_error(got, pair.reference(ids)) < TOLERANCE
 
 
 def test_short_prompts_with_and_without_a_cache(pair: Pair, scans: list[int]) -> None:
     ids = tokens(6, 12)
     want = pair.reference(ids)
-    assert max_error(forward(pair.patched, ids[:7], 0, None), want[:7]) < TOLERANCE
-    assert max_error(prefill(pair.patched, ids, 0, pair.new_cache(), [1, 4, 7]), want) < TOLERANCE
+    assert relative_error(forward(pair.patched, ids[:7], 0, None), want[:7]) < TOLERANCE
+    assert relative_error(prefill(pair.patched, ids, 0, pair.new_cache(), [1, 4, 7]), want) < TOLERANCE
     assert scans == [7] * pair.mixers + [1] * pair.mixers + [4] * pair.mixers + [7] * pair.mixers
 
 
@@ -188,7 +186,7 @@ def test_left_padding_is_masked_in_the_prompt_and_its_continuation(pair: Pair, s
             then = model(input_ids=more, attention_mask=mask, position_ids=torch.arange(35, 41)[None], cache=cache,
                          use_cache=True).logits
         outputs.append(torch.cat([first[:, 5:], then], dim=1).float())
-    assert max_error(*outputs) < TOLERANCE
+    assert relative_error(*outputs) < TOLERANCE
     assert scans == [3] * pair.mixers + [6] * pair.mixers  # 35 = 32 upstream + 3
 
 
@@ -204,7 +202,7 @@ def test_bf16_model_keeps_a_float32_state(model_dirs: dict[str, Path]) -> None:
                   if isinstance(layer, LinearAttentionCacheLayerMixin)]
         assert {state.dtype for state in states} == {torch.float32}
     # Both run the recurrence in float32 from the same bf16 inputs; the rest rounds to bf16 (logits of 1).
-    assert max_error(*logits) < 0.02  # measured 0; a bf16 step at logits of 1 is 0.008
+    assert relative_error(*logits) < 0.02  # measured 0; a bf16 step at logits of 1 is 0.008
 
 
 def naive_recurrence(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -238,10 +236,10 @@ def test_ssd_recurrence_matches_the_recurrence_across_blocks_and_calls(monkeypat
     want_y, want_h = naive_recurrence(x, dt, A, B, C, h0.clone())
     y1, h1 = mamba2.ssd_recurrence(x[:, :13], dt[:, :13], A, B[:, :13], C[:, :13], h0)
     y2, h2 = mamba2.ssd_recurrence(x[:, 13:], dt[:, 13:], A, B[:, 13:], C[:, 13:], h1)
-    assert max_error(torch.cat([y1, y2], dim=1).double(), want_y) < 1e-5
-    assert max_error(h2.double(), want_h) < 1e-5
+    assert relative_error(torch.cat([y1, y2], dim=1).double(), want_y) < 1e-5
+    assert relative_error(h2.double(), want_h) < 1e-5
     y_zero, _ = mamba2.ssd_recurrence(x, dt, A, B, C, None)
-    assert max_error(y_zero.double(), naive_recurrence(x, dt, A, B, C, torch.zeros_like(h0))[0]) < 1e-5
+    assert relative_error(y_zero.double(), naive_recurrence(x, dt, A, B, C, torch.zeros_like(h0))[0]) < 1e-5
 
 
 def tiny_zamba2() -> Any:
@@ -283,5 +281,5 @@ def test_other_mamba2_mixers_continue_exactly(build: Callable[[], Any], mixers: 
     assert twins.patch_count == mixers
     ids = tokens(1, A_LEN + 7, vocab=1000)
     got = prefill(twins.patched, ids, 0, twins.new_cache(), [A_LEN, 1, 3, 3])
-    assert max_error(got, twins.reference(ids)) < TOLERANCE
+    assert relative_error(got, twins.reference(ids)) < TOLERANCE
     assert scans == [6] * mixers + [3] * mixers + [3] * mixers

@@ -15,8 +15,9 @@ from node.engine.cpu_kernels import NativeLayer
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, Runner
 from node.engine.sampling import SamplingParams
+from tests.numeric import relative_error
 
-TOLERANCE = 1e-4  # float32; logits are of order 1 to 10
+TOLERANCE = 1e-4  # of the largest |logit| (tests/numeric.py); float32 logits are of order 1 to 10
 SCOPE = Scope("alice", "small")
 
 
@@ -48,7 +49,7 @@ def test_resume_at_the_end_of_a_cached_prompt(loaded: LoadedModel) -> None:
     assert restored == 0
     logits, restored = runner.prompt_logits(SCOPE, a + b)
     assert restored == 300
-    assert torch.allclose(logits, full_pass_logits(loaded, a + b), atol=TOLERANCE, rtol=0)
+    assert relative_error(logits, full_pass_logits(loaded, a + b)) <= TOLERANCE
 
 
 def test_resume_in_the_middle_of_a_cached_prompt(loaded: LoadedModel) -> None:
@@ -57,17 +58,17 @@ def test_resume_in_the_middle_of_a_cached_prompt(loaded: LoadedModel) -> None:
     runner.prompt_logits(SCOPE, a + c)
     logits, restored = runner.prompt_logits(SCOPE, a + b)  # diverges 200 tokens into a 350-token span
     assert restored == 200
-    assert torch.allclose(logits, full_pass_logits(loaded, a + b), atol=TOLERANCE, rtol=0)
+    assert relative_error(logits, full_pass_logits(loaded, a + b)) <= TOLERANCE
     # The split left both branches usable: the first prompt resumes whole (all but its last token).
     logits, restored = runner.prompt_logits(SCOPE, a + c)
     assert restored == 349
-    assert torch.allclose(logits, full_pass_logits(loaded, a + c), atol=TOLERANCE, rtol=0)
+    assert relative_error(logits, full_pass_logits(loaded, a + c)) <= TOLERANCE
 
 
 def test_chunked_prefill_equals_one_pass(loaded: LoadedModel) -> None:
     prompt = tokens(6, 333)
     logits, _ = Runner(loaded, None, prefill_chunk=50).prompt_logits(SCOPE, prompt)
-    assert torch.allclose(logits, full_pass_logits(loaded, prompt), atol=TOLERANCE, rtol=0)
+    assert relative_error(logits, full_pass_logits(loaded, prompt)) <= TOLERANCE
 
 
 def generate(runner: Runner, prompt: list[int], max_tokens: int = 20, scope: Scope = SCOPE) -> list[int]:
@@ -115,14 +116,16 @@ def test_another_scope_never_continues_from_the_working_buffers(loaded: LoadedMo
     runner.prompt_logits(SCOPE, prompt)
     logits, restored = runner.prompt_logits(Scope("bob", "small"), prompt + [7])
     assert restored == 0
-    assert torch.allclose(logits, full_pass_logits(loaded, prompt + [7]), atol=TOLERANCE, rtol=0)
+    assert relative_error(logits, full_pass_logits(loaded, prompt + [7])) <= TOLERANCE
 
 
 def test_a_prefix_restored_after_another_callers_request_is_read_where_it_is_stored(
         loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """Bob's request takes the working buffers, so Alice's prefix comes back from the store: the resumed
     forward reads the stored pieces in place (no copy before the first token), decoding then joins them."""
-    assert loaded.decoder is not None and loaded.state is not None
+    if loaded.decoder is None:
+        pytest.skip(f"the native forward is not loaded: {loaded.forward_path.reason}")
+    assert loaded.state is not None
     reuse, plain = fresh_runner(loaded), Runner(loaded, None)
     history = tokens(21, 150)
     generate(reuse, history)
@@ -141,7 +144,7 @@ def test_a_prefix_restored_after_another_callers_request_is_read_where_it_is_sto
     assert max(pieces_seen) > 1  # the first forward attended over stored pieces and new tokens
     logits, restored = reuse.prompt_logits(SCOPE, follow + got + tokens(24, 20))
     assert restored > len(follow)
-    assert torch.allclose(logits, full_pass_logits(loaded, follow + got + tokens(24, 20)), atol=TOLERANCE, rtol=0)
+    assert relative_error(logits, full_pass_logits(loaded, follow + got + tokens(24, 20))) <= TOLERANCE
 
 
 def test_without_reuse_the_prefill_is_not_cut_for_snapshots(small_model_dir: Path, tmp_path: Path,
