@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from node.engine import mamba1, mamba2
 from node.engine.cpu_decoder import CpuDecoder, unsupported_reason
 from node.engine.cpu_kernels import load_kernels
 from node.engine.cpu_layout import transpose_linear_weights
+from node.engine.last_row import LastRow
 from node.engine.prediction import Logits, Prediction
 from node.engine.reuse_check import check_reuse
 from node.engine.synthetic import ARCHITECTURES, ensure_default_model
@@ -55,6 +57,8 @@ class LoadedModel:
     reuse_blocker: str | None
     decoder: CpuDecoder | None = None
     """The CPU kernels' forward for short chunks, where the model has one and the node runs on one thread."""
+    last_row: LastRow | None = None
+    """Hooks that compute transformers' last layer for the last position only (`last_row.py`)."""
     forward_path: ForwardPath = ForwardPath("transformers", "not loaded by load_model")
 
     def forward(self, ids: list[int], start: int, cache: DynamicCache) -> Prediction:
@@ -64,7 +68,9 @@ class LoadedModel:
             return self.decoder.forward(ids, start, cache)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
-        out = self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        with self.last_row.active() if self.last_row is not None and len(ids) > 1 else nullcontext():
+            out = self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True,
+                             logits_to_keep=1)
         return Logits(out.logits[0, -1].float())
 
     def extend(self, ids: list[int], start: int, cache: DynamicCache) -> None:
@@ -152,6 +158,28 @@ def _cpu_decoder(model: Any) -> tuple[CpuDecoder | None, str]:
     return decoder, f"{found.reason}, checked against transformers' forward at load"
 
 
+LAST_ROW_AGREEMENT = 1e-4
+"""Largest |difference| from the plain forward's logits, relative to the largest |logit| (float32 sums in
+another order differ by about 1e-6)."""
+
+
+@torch.inference_mode()
+def _last_row_agrees(model: Any, last_row: LastRow) -> bool:
+    """Whether the forward with `last_row` active gives the plain forward's last logits: one pass, and a chunk
+    that continues a cache (its attention mask then covers more keys than queries)."""
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    ids = torch.randint(min(100, vocab - 1), vocab, (1, 29), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)
+    plain = model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+    with last_row.active():
+        whole = model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :8], cache=cache, use_cache=True)
+        chunk = model(input_ids=ids[:, 8:], cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
+    bound = LAST_ROW_AGREEMENT * max(1.0, float(plain.abs().max()))
+    return all(float((got - plain).abs().max()) <= bound for got in (whole, chunk))
+
+
 def load_model(model_id: str, path: Path, device: str | None = None, dtype: str | None = None) -> LoadedModel:
     _check_model_dir(path)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -167,6 +195,10 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
             transpose_linear_weights(model)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load the model in {path}: {exc}") from exc
+    last_row = LastRow.install(model)
+    if last_row is not None and not _last_row_agrees(model, last_row):
+        log.warning("model %s: its last layer does not reduce to the last position; it runs in full", model_id)
+        last_row = None
     decoder, why = _cpu_decoder(model) if target.type == "cpu" else (None, f"the model runs on {target.type}")
     path_taken = ForwardPath("native" if decoder is not None else "transformers", why)
     log.info("model %s: %s forward (%s)", model_id, path_taken.name, why)
@@ -180,7 +212,7 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
         blocker = str(exc)
     loaded = LoadedModel(model_id=model_id, path=path, model=model, tokenizer=tokenizer, context_length=context,
                          device=target, dtype=torch_dtype, eos_token_ids=_eos_ids(model, tokenizer), state=state,
-                         reuse_blocker=blocker, decoder=decoder, forward_path=path_taken)
+                         reuse_blocker=blocker, decoder=decoder, forward_path=path_taken, last_row=last_row)
     if state is not None:
         check = check_reuse(loaded.forward, state, int(text_config.vocab_size), torch_dtype)
         if not check.passed:
