@@ -26,9 +26,11 @@ run: $(STAMP)
 
 # The whole suite, then the engine and server tests again on transformers' forward (TENZRO_NATIVE=off), so
 # both forward paths are tested on a machine that runs the native kernels. -rs prints every skip's reason.
+FORWARD_TESTS := tests/node/engine tests/node/test_server.py tests/node/test_reuse_matrix.py \
+	tests/node/test_metering_node.py
 test: $(STAMP)
 	$(PY) -m pytest -q -rs tests
-	TENZRO_NATIVE=off $(PY) -m pytest -q -rs tests/node
+	TENZRO_NATIVE=off $(PY) -m pytest -q -rs $(FORWARD_TESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check node cache metering policies tests scripts setup.py

@@ -1,7 +1,12 @@
 """OpenAI-compatible routes: chat and text completions (plain and SSE streamed), models, health, metrics.
 
 Every accepted completion is metered under its completion id (`node.meter`); the usage a response
-carries is the usage its signed record holds.
+carries is the usage its signed record holds. A client that goes away, streamed or not, cancels its
+handler (the server runs with handler cancellation): its generation stops within one decode step and is
+recorded as cancelled with the tokens it produced.
+
+`/health` tells anyone that the node serves; the queue's depth and `/metrics` are for operator keys only,
+so that no caller learns the shape of other callers' traffic.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from metering.ledger import LedgerError
-from node.app import CONFIG, METER, METRICS, SERVICE, caller_of, read_json
+from node.app import CONFIG, KEYRING, METER, METRICS, SERVICE, caller_of, off_loop, read_json
 from node.config import Caller
 from node.engine.chat_template import RenderedChat
 from node.engine.runner import GenerationRequest, GenerationResult
@@ -41,6 +46,10 @@ def _usage(result: GenerationResult) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": result.cached_read_tokens},
         "cached_read_tokens": result.cached_read_tokens,
         "cached_write_tokens": result.cached_write_tokens,
+        # This node's extensions, for the caller's own request only: tokens that agreed with its stored tokens
+        # (what resuming at any token would reuse) and the time to first token measured inside the node.
+        "matched_tokens": result.matched_tokens,
+        "server_ttft_ms": round(result.ttft_s * 1000.0, 3),
     }
 
 
@@ -89,14 +98,14 @@ class Shape:
 def _submit(request: web.Request, service: ModelService, caller: Caller, generation: GenerationRequest,
             streamed: bool) -> Job:
     try:
-        return service.scheduler.submit(caller.name, generation, streamed=streamed)
+        return service.scheduler.submit(caller.name, generation, streamed=streamed, reserved=streamed)
     except QueueFullError as exc:
         raise queue_full(str(exc)) from exc
 
 
 def _observe(request: web.Request, result: GenerationResult) -> None:
-    request.app[METRICS].observe_generation(result.prompt_tokens, result.cached_read_tokens, result.matched_tokens,
-                                            len(result.output_ids), result.ttft_s, result.queue_wait_s)
+    request.app[METRICS].observe_generation(result.prompt_tokens, result.cached_read_tokens, len(result.output_ids),
+                                            result.ttft_s, result.queue_wait_s)
 
 
 def _raise_failure(event: Failed) -> None:
@@ -121,15 +130,21 @@ async def _respond(request: web.Request, service: ModelService, caller: Caller, 
     response = None
     if params.stream:
         # Headers (and a chat stream's role chunk) go out before the job is queued: once it is, the event loop
-        # has nothing to do but wait, and the worker thread it would hold off by the GIL starts at once.
+        # has nothing to do but wait, and the worker thread it would hold off by the GIL starts at once. The
+        # job's place in the queue is held first, so a stream that got its 200 never meets a full queue.
         try:
-            service.scheduler.check_room()  # only this event loop submits, so room now is room at submit
+            service.scheduler.reserve()
         except QueueFullError as exc:
             raise queue_full(str(exc)) from exc
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        if shape.chat:
-            await _send(response, shape.chunk(None, first=True))
+        try:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            if shape.chat:
+                await _send(response, shape.chunk(None, first=True))
+        except BaseException:
+            service.scheduler.release()
+            raise
     job = request.app[METER].track(_submit(request, service, caller, generation, params.stream),
                                    Completion(shape.id, caller.name, service.model_id))
     try:
@@ -185,9 +200,10 @@ async def _stream(request: web.Request, response: web.StreamResponse, job: Meter
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     caller = caller_of(request)
-    chat = parse_chat(await read_json(request))
+    body = await read_json(request)
+    chat = await off_loop(request, parse_chat, body)  # thousands of messages are thousands of checks
     service = _service(request, chat.params.model)
-    prompt = service.chat_prompt(chat.messages)
+    prompt = await off_loop(request, service.chat_prompt, chat.messages)
     return await _respond(request, service, caller, prompt, chat.params, Shape(True, service.model_id))
 
 
@@ -195,7 +211,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     caller = caller_of(request)
     completion = parse_completion(await read_json(request))
     service = _service(request, completion.params.model)
-    prompt = service.text_prompt(completion.prompt)
+    prompt = await off_loop(request, service.text_prompt, completion.prompt)
     return await _respond(request, service, caller, prompt, completion.params, Shape(False, service.model_id))
 
 
@@ -209,11 +225,18 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """That the node serves, to anyone; the queue's depth too, to an operator key."""
     service = request.app[SERVICE]
-    return web.json_response({"status": "ok", "model": service.model_id, **service.scheduler.describe()})
+    body: dict[str, Any] = {"status": "ok", "model": service.model_id}
+    authorization = request.headers.get("Authorization")
+    if authorization:
+        request.app[KEYRING].operator_for(authorization, "the queue's depth in /health")
+        body.update(service.scheduler.describe())
+    return web.json_response(body)
 
 
 async def metrics(request: web.Request) -> web.Response:
+    request.app[KEYRING].operator_for(request.headers.get("Authorization"), "GET /metrics")
     return web.Response(body=request.app[METRICS].render(), content_type="text/plain", charset="utf-8")
 
 

@@ -1,13 +1,20 @@
-"""Bearer API keys to callers, re-read when the config file changes so new keys work without a restart."""
+"""Bearer API keys to callers, re-read when the config file changes so new keys work without a restart.
+
+A config file edited into something invalid while the node runs does not take the node down: the last good
+keys stay in force, and one line is logged per bad version of the file.
+"""
 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from pathlib import Path
 
-from node.config import Caller, hash_key, load_config
-from node.errors import unauthorized
+from node.config import Caller, ConfigError, hash_key, load_config
+from node.errors import forbidden, unauthorized
+
+log = logging.getLogger(__name__)
 
 
 class KeyRing:
@@ -25,8 +32,13 @@ class KeyRing:
             return
         stamp = (stat.st_mtime_ns, stat.st_size)
         if stamp != self._stamp:
-            self._by_hash = {caller.key_sha256: caller for caller in load_config(self._path).callers}
-            self._stamp = stamp
+            self._stamp = stamp  # a bad version is reported once, not on every request
+            try:
+                callers = load_config(self._path).callers
+            except (ConfigError, OSError, ValueError, TypeError, AttributeError) as exc:
+                log.error("%s is invalid; the last good keys stay in force: %s", self._path, exc)
+                return
+            self._by_hash = {caller.key_sha256: caller for caller in callers}
 
     def caller_for(self, authorization: str | None) -> Caller:
         """The caller of an `Authorization` header value; raises a 401 ApiError otherwise."""
@@ -35,9 +47,18 @@ class KeyRing:
         scheme, _, key = authorization.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise unauthorized("malformed Authorization header: expected 'Bearer <key>'")
+        if not key.isascii():  # keys are ASCII; a header with other bytes is no key (and never a 500)
+            raise unauthorized("invalid API key")
         self._refresh()
         digest = hash_key(key.strip())
         for known, caller in self._by_hash.items():
             if hmac.compare_digest(known, digest):
                 return caller
         raise unauthorized("invalid API key")
+
+    def operator_for(self, authorization: str | None, what: str) -> Caller:
+        """The caller of `authorization` if its role is operator; raises a 401 or 403 ApiError otherwise."""
+        caller = self.caller_for(authorization)
+        if caller.role != "operator":
+            raise forbidden(f"{what} needs an operator key ('tenzro keys add NAME --role operator')")
+        return caller

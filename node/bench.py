@@ -270,6 +270,8 @@ class LocalNode:
             self.port = int(sock.getsockname()[1])
         self.root = f"http://127.0.0.1:{self.port}"
         self.api_key = ""
+        self.operator_key = ""
+        """For /metrics and the queue in /health."""
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -278,6 +280,11 @@ class LocalNode:
         if added.returncode != 0:
             raise BenchError(f"'tenzro keys add' failed: {added.stderr.strip()}")
         self.api_key = added.stdout.strip().splitlines()[-1]
+        operator = subprocess.run([*self.tenzro, "keys", "add", "bench-operator", "--role", "operator", "--config",
+                                   str(self.config)], capture_output=True, text=True, check=False)
+        if operator.returncode != 0:
+            raise BenchError(f"'tenzro keys add --role operator' failed: {operator.stderr.strip()}")
+        self.operator_key = operator.stdout.strip().splitlines()[-1]
         # Its own ledger and prices: a benchmark's usage records are not the user's.
         command = [*self.tenzro, "node", "serve", "--config", str(self.config), "--model", self.model,
                    "--host", "127.0.0.1", "--port", str(self.port), "--threads", str(self.threads),
@@ -332,9 +339,9 @@ async def _bench(args: argparse.Namespace, lengths: tuple[int, ...],
         local = node is not None
         settings = Settings(url=client.base, model=client.model, local=local,
                             threads=args.threads if local else None, device=args.device if local else None,
-                            lengths=lengths, new_tokens=args.new_tokens, runs=args.runs, seed=SEED)
+                            lengths=lengths, new_tokens=args.new_tokens, runs=args.runs, seed=args.seed)
         progress(f"bench: measuring model '{client.model}' at {client.base}")
-        return settings, await _measure(client, PromptSource(SEED), settings)
+        return settings, await _measure(client, PromptSource(settings.seed), settings)
 
 
 def _run(args: argparse.Namespace, lengths: tuple[int, ...]) -> tuple[Settings, list[Sample]]:

@@ -48,8 +48,6 @@ MIB = 1024**2
 
 Messages = list[dict[str, str]]
 
-MATCHED = "tenzro_prompt_tokens_matched_total"
-SERVER_TTFT = "tenzro_time_to_first_token_seconds_sum"
 CACHED_BYTES = "tenzro_cached_bytes"
 SNAPSHOT_BYTES = "tenzro_cached_snapshot_bytes"
 
@@ -138,6 +136,10 @@ class Reply:
     written_tokens: int | None
     """usage.cached_write_tokens (this node's extension): prompt tokens newly stored."""
     completion_tokens: int
+    matched_tokens: int | None = None
+    """usage.matched_tokens (this node's extension); None from another server."""
+    server_ttft_ms: float | None = None
+    """usage.server_ttft_ms (this node's extension): TTFT inside the node; None from another server."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,9 +214,10 @@ class AgentClient(Client):
     """Streamed chat completions, and the node's Prometheus counters when it is a local node."""
 
     def __init__(self, session: aiohttp.ClientSession, base: str, api_key: str | None,
-                 metrics_url: str | None) -> None:
+                 metrics_url: str | None, operator_key: str | None = None) -> None:
         super().__init__(session, base, api_key)
         self.metrics_url = metrics_url
+        self.operator_headers = {"Authorization": f"Bearer {operator_key}"} if operator_key else {}
 
     async def chat(self, messages: Messages) -> Reply:
         """TTFT: to the first event carrying content or a finish reason (the role chunk comes before any
@@ -228,13 +231,14 @@ class AgentClient(Client):
                              "(the server must honour stream_options.include_usage)")
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         return Reply(streamed.text, streamed.ttft_s, int(usage["prompt_tokens"]), int(cached),
-                     usage.get("cached_write_tokens"), int(usage.get("completion_tokens", 0)))
+                     usage.get("cached_write_tokens"), int(usage.get("completion_tokens", 0)),
+                     usage.get("matched_tokens"), usage.get("server_ttft_ms"))
 
     async def scrape(self) -> dict[str, float]:
         """Prometheus text as {series: value}; empty when measuring --url."""
         if self.metrics_url is None:
             return {}
-        async with self.session.get(self.metrics_url) as response:
+        async with self.session.get(self.metrics_url, headers=self.operator_headers) as response:
             if response.status != 200:
                 raise BenchError(f"GET {self.metrics_url}: {response.status}")
             text = await response.text()
@@ -243,10 +247,6 @@ class AgentClient(Client):
 
 
 Renderer = Callable[[Messages], list[int]]
-
-
-def _delta(before: dict[str, float], after: dict[str, float], series: str) -> float | None:
-    return after[series] - before[series] if series in after and series in before else None
 
 
 async def _drive(client: AgentClient, workload: AgentWorkload, mode: Mode,
@@ -266,14 +266,10 @@ async def _drive(client: AgentClient, workload: AgentWorkload, mode: Mode,
                                      f"{ours[len(samples)].prompt_tokens}: the oracle cannot be primed")
                 if target:
                     await client.complete(ids[:target])  # untimed: leaves a snapshot at exactly `target`
-            before = await client.scrape()
             reply = await client.chat(messages)
-            after = await client.scrape()
-            server_ttft, matched = _delta(before, after, SERVER_TTFT), _delta(before, after, MATCHED)
             samples.append(Sample(mode.name, episode, step, workload.edited(episode, step), reply.prompt_tokens,
                                   reply.cached_tokens, reply.ttft_s * 1000.0, reply.completion_tokens, reply.text,
-                                  None if server_ttft is None else server_ttft * 1000.0,
-                                  None if matched is None else round(matched), reply.written_tokens, target))
+                                  reply.server_ttft_ms, reply.matched_tokens, reply.written_tokens, target))
             messages = messages + workload.after_reply(episode, step, reply.text)
         episode_samples = samples[-workload.steps:]
         progress(f"bench agent: {mode.name}, episode {episode + 1}/{workload.episodes}: reused "
@@ -307,7 +303,7 @@ async def _local_mode(session: aiohttp.ClientSession, args: argparse.Namespace, 
     try:
         node.start()
         await node.wait_healthy(session)
-        client = AgentClient(session, api_base(node.root), node.api_key, node.root + "/metrics")
+        client = AgentClient(session, api_base(node.root), node.api_key, node.root + "/metrics", node.operator_key)
         client.model = await client.first_model()
         await client.complete(PromptSource(SEED).prefix(WARMUP_TOKENS))  # untimed; shares no token with chats
         baseline = await client.scrape()

@@ -15,6 +15,7 @@ from metering.ledger import LedgerError
 from metering.pricing import PricingError, load_pricing
 from node.cli_metering import add_metering_commands, default_pricing_path
 from node.config import (
+    ROLES,
     ConfigError,
     add_key,
     default_config_path,
@@ -96,7 +97,9 @@ def _serve(args: argparse.Namespace) -> int:
     message = (_how_to_call(args.host, args.port, model_id, new_key)
                + f"Forward: {forward.name} ({forward.reason}); TENZRO_NATIVE=off keeps transformers'\n")
     try:
-        web.run_app(app, host=args.host, port=args.port, access_log=None, print=lambda _: print(
+        # handler_cancellation: a client that goes away cancels its handler, which stops its generation.
+        web.run_app(app, host=args.host, port=args.port, access_log=None, handler_cancellation=True,
+                    print=lambda _: print(
             message + _metering_lines(app[METER], metering, created_prices), flush=True))
     except (LedgerError, PricingError, OSError) as exc:  # the meter's files, or the port, at startup
         print(f"tenzro: error: {exc}", file=sys.stderr)
@@ -178,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     add = keys.add_parser("add", help="create a caller key; prints it once, stores only its hash")
     add.add_argument("name")
     add.add_argument("--config", help="node config YAML (default: $TENZRO_HOME/node.yaml)")
-    add.add_argument("--role", default="caller", choices=["caller", "auditor"])
+    add.add_argument("--role", default="caller", choices=list(ROLES))
     add.set_defaults(func=_keys_add)
 
     models = groups.add_parser("models", help="models").add_subparsers(dest="command", required=True)
@@ -199,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     reuse.add_argument("--lengths", default="512,1024,2048,4096")
     reuse.add_argument("--new-tokens", type=int, default=32)
     reuse.add_argument("--runs", type=int, default=5)
+    reuse.add_argument("--seed", type=int, default=0, help="of the random prompts; vary it between rounds against "
+                       "a server that keeps its cache, or its cold prompts are not cold")
     reuse.add_argument("--out", default="bench-results/reuse.json")
     reuse.add_argument("--device", help="device of the local node")
     reuse.set_defaults(func=_bench_reuse)

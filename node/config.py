@@ -50,7 +50,8 @@ class NodeConfig:
     limits: Limits = field(default_factory=Limits)
 
 
-ROLES = ("caller", "auditor")
+ROLES = ("caller", "auditor", "operator")
+"""caller: completions and its own records; auditor: every record; operator: /metrics and the queue in /health."""
 
 
 def tenzro_home() -> Path:

@@ -1,12 +1,35 @@
-"""Prometheus metrics of one node: counts and timings only, nothing that identifies prompt content."""
+"""Prometheus metrics of one node: counts and timings only, nothing that identifies prompt content.
+
+Served to operator keys only. Per-request quantities (prompt, reused and completion tokens, latencies) are
+histograms with coarse buckets and without their `_sum`: a scrape before and after one request shows which
+bucket it fell into, not its exact counts or timing, so metrics cannot single out a caller's request.
+Node-wide state (bytes held, requests by route and status, the queue) stays exact for capacity planning.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (0.05, 0.25, 1.0, 5.0, 30.0)
+TOKEN_BUCKETS = (64, 512, 4096, 32768)
+REUSED_SHARE_BUCKETS = (0.0, 0.5, 0.9)
+
+
+class _WithoutSums(Collector):
+    """Histograms whose `_sum` samples are dropped (an exact sum, differenced, is one request's value)."""
+
+    def __init__(self, histograms: list[Histogram]) -> None:
+        self._histograms = histograms
+
+    def collect(self) -> Iterator[Metric]:
+        for histogram in self._histograms:
+            for family in histogram.collect():
+                family.samples = [sample for sample in family.samples if not sample.name.endswith("_sum")]
+                yield family
 
 
 class NodeMetrics:
@@ -17,17 +40,18 @@ class NodeMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("tenzro_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
-        self.prompt_tokens = Counter("tenzro_prompt_tokens", "Prompt tokens, by whether they were computed "
-                                     "(prefilled) or restored from stored state (reused)", ["source"],
-                                     registry=self.registry)
-        self.matched_tokens = Counter("tenzro_prompt_tokens_matched", "Prompt tokens that agreed with the caller's "
-                                      "stored tokens: what resuming at any token would reuse",
-                                      registry=self.registry)
-        self.completion_tokens = Counter("tenzro_completion_tokens", "Generated tokens", registry=self.registry)
+        self.prompt_tokens = Histogram("tenzro_prompt_tokens", "Prompt tokens per request", buckets=TOKEN_BUCKETS,
+                                       registry=None)
+        self.reused_share = Histogram("tenzro_prompt_reused_share", "Share of a request's prompt tokens restored "
+                                      "from stored state", buckets=REUSED_SHARE_BUCKETS, registry=None)
+        self.completion_tokens = Histogram("tenzro_completion_tokens", "Generated tokens per request",
+                                           buckets=TOKEN_BUCKETS, registry=None)
         self.ttft = Histogram("tenzro_time_to_first_token_seconds", "From taking the request off the queue to "
-                              "the first generated token", buckets=LATENCY_BUCKETS, registry=self.registry)
+                              "the first generated token", buckets=LATENCY_BUCKETS, registry=None)
         self.queue_wait = Histogram("tenzro_queue_wait_seconds", "Time a request waited for the model",
-                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+                                    buckets=LATENCY_BUCKETS, registry=None)
+        self.registry.register(_WithoutSums([self.prompt_tokens, self.reused_share, self.completion_tokens,
+                                             self.ttft, self.queue_wait]))
         cached = Gauge("tenzro_cached_bytes", "Bytes of prompt state held for reuse", registry=self.registry)
         cached.set_function(cached_bytes)
         snapshots = Gauge("tenzro_cached_snapshot_bytes", "Bytes of the cached state held in snapshots "
@@ -41,12 +65,10 @@ class NodeMetrics:
                             registry=self.registry)
             forward.labels(*forward_path).set(1)
 
-    def observe_generation(self, prompt: int, reused: int, matched: int, completion: int, ttft_s: float,
-                           wait_s: float) -> None:
-        self.matched_tokens.inc(matched)
-        self.prompt_tokens.labels(source="prefilled").inc(prompt - reused)
-        self.prompt_tokens.labels(source="reused").inc(reused)
-        self.completion_tokens.inc(completion)
+    def observe_generation(self, prompt: int, reused: int, completion: int, ttft_s: float, wait_s: float) -> None:
+        self.prompt_tokens.observe(prompt)
+        self.reused_share.observe(reused / prompt if prompt else 0.0)
+        self.completion_tokens.observe(completion)
         self.ttft.observe(ttft_s)
         self.queue_wait.observe(wait_s)
 

@@ -9,6 +9,25 @@ from node.errors import invalid_request
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
+MAX_LOGIT_BIAS = 300
+"""Entries of `logit_bias` at most (OpenAI's limit)."""
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""A signed 64-bit integer, as OpenAI's API documents it."""
+
+UNSUPPORTED = {
+    "tools": "tool calling is not supported by this node yet",
+    "tool_choice": "tool calling is not supported by this node yet",
+    "parallel_tool_calls": "tool calling is not supported by this node yet",
+    "functions": "function calling is not supported by this node",
+    "function_call": "function calling is not supported by this node",
+    "top_logprobs": "log probabilities are not supported by this node",
+    "prediction": "predicted outputs are not supported by this node",
+    "audio": "audio output is not supported by this node",
+    "echo": "'echo' is not supported by this node",
+    "suffix": "'suffix' is not supported by this node",
+}
+"""Request fields this node does not implement: a request that sets one is refused, never silently served
+without it. (A field set to null, false or its default is accepted.)"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +46,10 @@ class CommonParams:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias added to its logit) pairs; ids are checked against the vocabulary by the service."""
     return_token_ids: bool = False
     """An extension (as in vLLM): the response also carries the prompt's and the reply's token ids, so an
     agent can send ids back and never lose reuse to re-tokenisation."""
@@ -62,16 +85,61 @@ def _optional_int(body: dict[str, Any], name: str, low: int) -> int | None:
     return value
 
 
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, why in UNSUPPORTED.items():
+        if body.get(name) not in (None, False, [], {}):
+            raise invalid_request(f"{why}; remove '{name}' from the request", param=name,
+                                  code="unsupported_parameter")
+    n = body.get("n", 1)
+    if n is not None and (type(n) is not int or n != 1):
+        raise invalid_request("'n' must be 1: this node returns one choice per request", param="n")
+    best_of = body.get("best_of")
+    if best_of is not None and (type(best_of) is not int or best_of != 1):
+        raise invalid_request("'best_of' must be 1: this node returns one choice per request", param="best_of")
+    if body.get("logprobs") not in (None, False):
+        raise invalid_request("'logprobs' is not supported by this node", param="logprobs",
+                              code="unsupported_parameter")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise invalid_request("structured output ('response_format' other than {\"type\": \"text\"}) is not "
+                              "supported by this node yet", param="response_format", code="unsupported_parameter")
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise invalid_request(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids to biases",
+                              param="logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise invalid_request("'logit_bias' keys must be token ids written as decimal strings",
+                                  param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise invalid_request("'logit_bias' values must be numbers between -100 and 100", param="logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    value = body.get("seed")
+    if value is None:
+        return None
+    low, high = SEED_RANGE
+    if type(value) is not int or not low <= value <= high:
+        raise invalid_request(f"'seed' must be an integer between {low} and {high}", param="seed")
+    return value
+
+
 def _common(body: Any) -> CommonParams:
     if not isinstance(body, dict):
         raise invalid_request("the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid_request("'model' is required: the id of a model from GET /v1/models", param="model")
-    if body.get("n", 1) != 1:
-        raise invalid_request("'n' must be 1: this node returns one choice per request", param="n")
-    if body.get("logprobs") not in (None, False, 0):
-        raise invalid_request("'logprobs' is not supported by this node", param="logprobs")
+    _refuse_unsupported(body)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -86,7 +154,8 @@ def _common(body: Any) -> CommonParams:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid_request("'stream' must be true or false", param="stream")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise invalid_request("'stream_options' must be an object like {\"include_usage\": true}",
                               param="stream_options")
@@ -101,11 +170,14 @@ def _common(body: Any) -> CommonParams:
         model=model,
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
-        seed=_optional_int(body, "seed", -(2**63)),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        seed=_seed(body),
         stop=stops,
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body),
         return_token_ids=return_ids,
     )
 
@@ -146,8 +218,6 @@ def parse_completion(body: Any) -> CompletionRequest:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one, as OpenAI clients send it
-    if body.get("echo") or body.get("suffix"):
-        raise invalid_request("'echo' and 'suffix' are not supported by this node")
     if isinstance(prompt, str) and prompt:
         return CompletionRequest(params, prompt)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):  # not bool, JSON's true

@@ -159,7 +159,7 @@ class Runner:
         finish_reason = "length"
         ttft = 0.0
         while len(output) < params.max_tokens:
-            token = sampler.next_token(prediction)
+            token = sampler.next_token(prediction, output)
             output.append(token)
             delta = detok.push(token)
             if len(output) == 1:

@@ -1,4 +1,6 @@
-"""Choosing the next token: greedy, or temperature with nucleus (top-p) sampling under a seed."""
+"""Choosing the next token: greedy, or temperature with nucleus (top-p) sampling under a seed; logit biases
+and presence/frequency penalties (over the tokens generated so far, as OpenAI defines them) adjust the
+logits first."""
 
 from __future__ import annotations
 
@@ -16,10 +18,17 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 class Sampler:
@@ -30,15 +39,35 @@ class Sampler:
         self._generator: torch.Generator | None = None
         """Made on the first draw: greedy decoding needs none."""
 
-    def next_token(self, prediction: Prediction) -> int:
-        """The token after the last position of `prediction`'s forward."""
-        if self.params.greedy:
+    def _logits(self, prediction: Prediction, generated: list[int]) -> torch.Tensor:
+        logits = prediction.logits().float().cpu()
+        params = self.params
+        if not params.adjusts_logits:
+            return logits
+        logits = logits.clone()
+        if params.logit_bias:
+            ids = torch.tensor([token for token, _ in params.logit_bias])
+            logits.index_add_(0, ids, torch.tensor([bias for _, bias in params.logit_bias]))
+        if generated and (params.presence_penalty or params.frequency_penalty):
+            counts = torch.bincount(torch.tensor(generated), minlength=logits.shape[0])[:logits.shape[0]].float()
+            logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+        return logits
+
+    def next_token(self, prediction: Prediction, generated: list[int] | None = None) -> int:
+        """The token after the last position of `prediction`'s forward; `generated`: this reply's tokens so far
+        (what the penalties count)."""
+        if self.params.greedy and not self.params.adjusts_logits:
             return prediction.greedy()
-        probs = torch.softmax(prediction.logits().float().cpu() / self.params.temperature, dim=-1)
+        logits = self._logits(prediction, generated or [])
+        if self.params.greedy:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / self.params.temperature, dim=-1)
         if self.params.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-            sorted_probs[before >= self.params.top_p] = 0.0
+            outside = before >= self.params.top_p
+            outside[0] = False  # the most likely token is always in the nucleus: top_p 0 keeps it alone
+            sorted_probs[outside] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         if self._generator is None:
             self._generator = torch.Generator()

@@ -103,12 +103,26 @@ class Scheduler:
         if self._waiting >= self.max_queue:
             raise QueueFullError(f"the node is busy: {self._waiting} requests are waiting; retry later")
 
-    def submit(self, caller: str, request: GenerationRequest, streamed: bool = False) -> Job:
-        job = Job(caller=caller, request=request, loop=asyncio.get_running_loop(), streamed=streamed)
+    def reserve(self) -> None:
+        """Hold a place in the queue for a job submitted later with `reserved=True` (or `release` it);
+        raises QueueFullError when there is none."""
         with self._cond:
             self.check_room()
-            self._queues.setdefault(caller, deque()).append(job)
             self._waiting += 1
+
+    def release(self) -> None:
+        """Give back a place held by `reserve` that no job will take."""
+        with self._cond:
+            self._waiting -= 1
+
+    def submit(self, caller: str, request: GenerationRequest, streamed: bool = False, reserved: bool = False) -> Job:
+        """Queue a job; `reserved`: it takes the place a `reserve` held (and cannot be refused)."""
+        job = Job(caller=caller, request=request, loop=asyncio.get_running_loop(), streamed=streamed)
+        with self._cond:
+            if not reserved:
+                self.check_room()
+                self._waiting += 1
+            self._queues.setdefault(caller, deque()).append(job)
             self._cond.notify()
         return job
 

@@ -160,6 +160,7 @@ def test_bench_agent_measures_a_url_as_its_only_mode(runs: dict[str, BenchRun]) 
     assert samples[0]["prompt_tokens"] == FIRST_PROMPT_TOKENS and samples[0]["cached_tokens"] == 0
     for previous, sample in zip(samples, samples[1:], strict=False):
         assert sample["cached_tokens"] >= previous["prompt_tokens"]
-        assert sample["server_ttft_ms"] is None and sample["matched_tokens"] is None
+        # A tenzro node at --url reports its own timing and matched tokens in usage, as a local node does.
+        assert sample["server_ttft_ms"] > 0 and sample["matched_tokens"] >= sample["cached_tokens"]
     assert [row["mode"] for row in report["rows"]] == ["url"] and report["rows"][0]["of_oracle"] is None
     assert stdout.splitlines()[1].split()[0] == "url"

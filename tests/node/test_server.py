@@ -172,7 +172,7 @@ def test_errors_are_openai_shaped_and_the_node_keeps_serving(node_factory, small
 def test_full_queue_answers_503_and_health_answers_during_prefill(node_factory, small_model_dir: Path) -> None:
     node = node_factory(small_model_dir, config_text="limits:\n  max_queue: 1\n")
     key = node.add_key("alice")
-    long = {"model": small_model_dir.name, "prompt": list(range(100, 3100)), "max_tokens": 600}
+    long = {"model": small_model_dir.name, "prompt": list(range(100, 2100)), "max_tokens": 1900}
 
     async def run() -> None:
         headers = {"Authorization": f"Bearer {key}"}
@@ -193,23 +193,36 @@ def test_full_queue_answers_503_and_health_answers_during_prefill(node_factory, 
     asyncio.run(run())
 
 
+def operator_key(node: Node) -> str:
+    from tests.node.conftest import tenzro
+
+    result = tenzro("keys", "add", "ops", "--role", "operator", "--config", str(node.config), env=node.env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
 def test_models_and_metrics(node_factory, small_model_dir: Path) -> None:
     node = node_factory(small_model_dir)
     c = client(node, node.add_key("alice"))
+    operator = operator_key(node)
     assert [m.id for m in c.models.list().data] == [small_model_dir.name]
     prompt = list(range(2000, 2050))
     c.completions.create(model=small_model_dir.name, prompt=prompt, max_tokens=2, temperature=0)
     c.completions.create(model=small_model_dir.name, prompt=prompt + [5], max_tokens=2, temperature=0)
 
     async def scrape() -> str:
-        async with aiohttp.ClientSession() as session, session.get(node.url + "/metrics") as resp:
+        async with aiohttp.ClientSession() as session, session.get(
+                node.url + "/metrics", headers={"Authorization": f"Bearer {operator}"}) as resp:
             return await resp.text()
 
     text = asyncio.run(scrape())
     values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line and not line.startswith("#")}
-    assert values['tenzro_prompt_tokens_total{source="reused"}'] == 50
-    assert values['tenzro_prompt_tokens_total{source="prefilled"}'] == 51
+    # Per-request quantities only as coarse histograms: 50 and 51 prompt tokens, the second one mostly reused.
+    assert values['tenzro_prompt_tokens_bucket{le="64.0"}'] == 2
+    assert values['tenzro_prompt_reused_share_bucket{le="0.0"}'] == 1
+    assert values['tenzro_prompt_reused_share_bucket{le="0.9"}'] == 1
+    assert values['tenzro_prompt_reused_share_bucket{le="+Inf"}'] == 2
     assert values["tenzro_time_to_first_token_seconds_count"] == 2
     # Stored: 50 prompt + 2 reply tokens, then 1 more prompt + 2 reply tokens, in 2 layers of K and V
     # (2 kv heads of 32 dims, float32).
@@ -223,12 +236,13 @@ def test_the_node_says_which_forward_its_model_runs_and_why(node_factory, small_
     log, `GET /v1/node` and `/metrics`."""
     expected = load_model(small_model_dir.name, small_model_dir).forward_path
     node = node_factory(small_model_dir)
+    operator = operator_key(node)
 
     async def read() -> tuple[dict[str, object], str]:
         async with aiohttp.ClientSession() as session:
             async with session.get(node.url + "/v1/node") as resp:
                 identity = await resp.json()
-            async with session.get(node.url + "/metrics") as resp:
+            async with session.get(node.url + "/metrics", headers={"Authorization": f"Bearer {operator}"}) as resp:
                 return identity, await resp.text()
 
     identity, metrics = asyncio.run(read())
