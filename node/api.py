@@ -30,6 +30,9 @@ from node.meter import Completion, MeteredJob
 from node.openai_schema import CommonParams, parse_chat, parse_completion
 from node.service import ModelService
 
+METERING_RETRY_AFTER_S = 5
+"""A ledger that failed to append (a full or failing disk) needs an operator: retry later, not at once."""
+
 
 def _service(request: web.Request, model: str) -> ModelService:
     service = request.app[SERVICE]
@@ -120,7 +123,8 @@ async def _next_event(job: MeteredJob) -> Event:
         return await job.next_event()
     except LedgerError as exc:
         raise ApiError(503, "the node could not record the usage of this completion, so it is not delivered; "
-                       "retry later", type="server_error", code="metering_unavailable") from exc
+                       "retry later", type="server_error", code="metering_unavailable",
+                       retry_after_s=METERING_RETRY_AFTER_S) from exc
 
 
 async def _respond(request: web.Request, service: ModelService, caller: Caller, prompt: RenderedChat,

@@ -142,6 +142,7 @@ async def test_a_completion_that_cannot_be_recorded_is_not_delivered(aiohttp_cli
     refused = await client.post("/v1/completions", json=body, headers=auth)
     assert refused.status == 503
     assert (await refused.json())["error"]["code"] == "metering_unavailable"
+    assert refused.headers["Retry-After"] == "5"
     stream = await client.post("/v1/completions", json={**body, "stream": True}, headers=auth)
     events = [line[6:] for line in (await stream.text()).splitlines() if line.startswith("data: ")]
     assert json.loads(events[-2])["error"]["code"] == "metering_unavailable"
