@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from metering.ledger import LedgerError
-from node.app import CONFIG, KEYRING, METER, METRICS, SERVICE, caller_of, off_loop, read_json
+from node.app import CONFIG, KEYRING, METER, METRICS, SERVICE, caller_of, off_loop, read_body
 from node.config import Caller
 from node.engine.chat_template import RenderedChat
 from node.engine.runner import GenerationRequest, GenerationResult
@@ -146,8 +146,9 @@ async def _respond(request: web.Request, service: ModelService, caller: Caller, 
             await response.prepare(request)
             if shape.chat:
                 await _send(response, shape.chunk(None, first=True))
-        except BaseException:
+        except BaseException:  # the client went away before the job was queued: it computed nothing
             service.scheduler.release()
+            request.app[METER].record_unstarted(Completion(shape.id, caller.name, service.model_id))
             raise
     job = request.app[METER].track(_submit(request, service, caller, generation, params.stream),
                                    Completion(shape.id, caller.name, service.model_id))
@@ -204,8 +205,7 @@ async def _stream(request: web.Request, response: web.StreamResponse, job: Meter
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     caller = caller_of(request)
-    body = await read_json(request)
-    chat = await off_loop(request, parse_chat, body)  # thousands of messages are thousands of checks
+    chat = await read_body(request, parse_chat)
     service = _service(request, chat.params.model)
     prompt = await off_loop(request, service.chat_prompt, chat.messages)
     return await _respond(request, service, caller, prompt, chat.params, Shape(True, service.model_id))
@@ -213,7 +213,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     caller = caller_of(request)
-    completion = parse_completion(await read_json(request))
+    completion = await read_body(request, parse_completion)
     service = _service(request, completion.params.model)
     prompt = await off_loop(request, service.text_prompt, completion.prompt)
     return await _respond(request, service, caller, prompt, completion.params, Shape(False, service.model_id))

@@ -119,11 +119,13 @@ async def off_loop(request: web.Request, work: Callable[..., T], *args: Any) -> 
     return await asyncio.get_running_loop().run_in_executor(request.app[PREPARE], work, *args)
 
 
-async def read_json(request: web.Request) -> object:
+async def read_body(request: web.Request, parse: Callable[[object], T]) -> T:
+    """The JSON body, checked by `parse` (a schema parser raising ApiError): on the event loop for a small
+    body, on the PREPARE threads for a large one (thousands of messages or token ids to check)."""
     raw = await request.read()
     if len(raw) <= INLINE_JSON_BYTES:
-        return parse_json(raw)
-    return await off_loop(request, parse_json, raw)
+        return parse(parse_json(raw))
+    return await off_loop(request, lambda: parse(parse_json(raw)))
 
 
 def caller_of(request: web.Request) -> Caller:

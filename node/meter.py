@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from metering.ledger import Ledger, LedgerError
 from metering.pricing import PricingSource, load_pricing, save_pricing
@@ -109,17 +111,28 @@ class Meter:
 
     def follow(self, job: Job, completion: Completion) -> None:
         """Record a job whose handler stopped listening before its outcome; the job is cancelled."""
-        task = asyncio.get_running_loop().create_task(self._record_when_done(job, completion))
+        self._in_background(self._record_when_done(job, completion))
+
+    def record_unstarted(self, completion: Completion) -> None:
+        """Record, as cancelled with no tokens, a completion whose client may have seen its id (a stream's
+        first chunk) but went away before its job was queued."""
+        self._in_background(self._record_quietly(completion, Failed(asyncio.CancelledError())))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._following.add(task)
         task.add_done_callback(self._following.discard)
+
+    async def _record_quietly(self, completion: Completion, outcome: Finished | Failed) -> None:
+        try:
+            await self.record(completion, outcome)
+        except LedgerError as exc:
+            log.error("the usage of a cancelled completion was not recorded: %s", exc)
 
     async def _record_when_done(self, job: Job, completion: Completion) -> None:
         while not isinstance(event := await job.events.get(), Finished | Failed):
             pass
-        try:
-            await self.record(completion, event)
-        except LedgerError as exc:
-            log.error("the usage of a cancelled completion was not recorded: %s", exc)
+        await self._record_quietly(completion, event)
 
     async def close(self, timeout_s: float) -> None:
         """Record the followed jobs (cancelled, so they end soon while the engine runs), then close."""

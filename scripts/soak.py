@@ -6,8 +6,8 @@ Starts a node on loopback, runs N clients for the duration (chat and text comple
 a third of them give up after 0.05 to 1.5 s, by closing the connection), then kills the node with SIGKILL
 mid-traffic and checks its ledger offline: `tenzro metering verify` passes, every completion a client got
 whole has a `completed` record under its id, and every request a client abandoned at least two seconds
-before the kill has a record (`cancelled`, or `completed` when it had finished first). Prints a table and
-writes JSON.
+before the kill, under an id it had seen, has a record (`cancelled`, or `completed` when it had finished
+first), and no record says `failed`. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class Tally:
     """(when, completion id if the client had seen it) per request given up."""
     refused: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    stopped: bool = False
+    """Set when the node is killed: connection errors after that are the point, not failures."""
 
 
 async def one_request(session: aiohttp.ClientSession, base: str, key: str, model: str, rng: random.Random,
@@ -64,8 +66,9 @@ async def one_request(session: aiohttp.ClientSession, base: str, key: str, model
             if resp.status != 200:
                 payload = await resp.json(content_type=None)
                 code = str(payload.get("error", {}).get("code"))
-                if resp.status == 503:
+                if resp.status == 503:  # a well-behaved client waits as told
                     tally.refused += 1
+                    await asyncio.sleep(float(resp.headers.get("Retry-After", "1")))
                 else:
                     tally.errors[f"{resp.status} {code}"] = tally.errors.get(f"{resp.status} {code}", 0) + 1
                 return
@@ -94,7 +97,8 @@ async def client_loop(base: str, key: str, model: str, seed: int, until: float, 
             try:
                 await one_request(session, base, key, model, rng, tally)
             except (aiohttp.ClientError, ConnectionError) as exc:
-                tally.errors[type(exc).__name__] = tally.errors.get(type(exc).__name__, 0) + 1
+                if not tally.stopped:
+                    tally.errors[type(exc).__name__] = tally.errors.get(type(exc).__name__, 0) + 1
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -112,6 +116,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
              for seed in range(args.clients)]
     await asyncio.sleep(args.duration)
     killed_at = time.monotonic()
+    tally.stopped = True
     assert node.process is not None
     node.process.send_signal(signal.SIGKILL)  # mid-traffic: requests are in flight
     node.process.wait()
@@ -127,6 +132,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     missing_answers = [i for i in tally.answered if i not in records or records[i].status != "completed"]
     settled = [(when, rid) for when, rid in tally.abandoned if when <= killed_at - SETTLE_S]
     cancelled = sum(1 for record in records.values() if record.status == "cancelled")
+    failed = sum(1 for record in records.values() if record.status == "failed")
     missing_abandoned = [rid for _, rid in settled if rid is not None and rid not in records]
     report = {
         "clients": args.clients, "duration_s": args.duration, "answered": len(tally.answered),
@@ -136,8 +142,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "abandoned_streams_without_record": len(missing_abandoned),
         "metering_verify": verify.returncode == 0, "verify_output": verify.stdout.strip()[-300:],
     }
+    # Each answer is on the ledger as completed, each abandoned stream under the id it had seen; abandoned
+    # plain requests have no id on the client, so they show as cancelled records (or completed ones, when
+    # generation ended before the disconnect was seen; none at all when abandoned before the node took them).
     report["passed"] = (report["metering_verify"] and not missing_answers and not missing_abandoned
-                        and cancelled >= sum(1 for _ in settled) * 0.5 and not tally.errors)
+                        and not failed and not tally.errors)
     return report
 
 

@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,8 @@ class Job:
     cancel_event: threading.Event = field(default_factory=threading.Event)
     first_written: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
+    withdraw: Callable[[Job], None] | None = None
+    """Set by the scheduler while the job waits in its queue: takes it out at once when cancelled."""
 
     def post(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -72,7 +75,11 @@ class Job:
             self.first_written.set()  # once per request, written or not
 
     def cancel(self) -> None:
+        """Stop the job: a running one at its next decode step, a waiting one now (it leaves the queue, and
+        its place is free for another request)."""
         self.cancel_event.set()
+        if self.withdraw is not None:
+            self.withdraw(self)
 
 
 class Scheduler:
@@ -117,7 +124,8 @@ class Scheduler:
 
     def submit(self, caller: str, request: GenerationRequest, streamed: bool = False, reserved: bool = False) -> Job:
         """Queue a job; `reserved`: it takes the place a `reserve` held (and cannot be refused)."""
-        job = Job(caller=caller, request=request, loop=asyncio.get_running_loop(), streamed=streamed)
+        job = Job(caller=caller, request=request, loop=asyncio.get_running_loop(), streamed=streamed,
+                  withdraw=self._withdraw)
         with self._cond:
             if not reserved:
                 self.check_room()
@@ -125,6 +133,17 @@ class Scheduler:
             self._queues.setdefault(caller, deque()).append(job)
             self._cond.notify()
         return job
+
+    def _withdraw(self, job: Job) -> None:
+        with self._cond:
+            queue = self._queues.get(job.caller)
+            if queue is None or job not in queue:
+                return  # already taken by the worker, which sees the cancellation itself
+            queue.remove(job)
+            if not queue:
+                del self._queues[job.caller]
+            self._waiting -= 1
+        job.post(Failed(asyncio.CancelledError()))
 
     def _next_job(self) -> Job | None:
         with self._cond:
@@ -139,6 +158,7 @@ class Scheduler:
             if queue:
                 self._queues[caller] = queue
             self._waiting -= 1
+            job.withdraw = None  # running now: cancellation stops it at the next decode step
             return job
 
     def _work(self) -> None:

@@ -53,3 +53,39 @@ async def test_the_wait_is_bounded_and_a_job_not_streamed_does_not_wait(monkeypa
     plain: list[str] = []
     await loop.run_in_executor(None, emit_from_a_worker(Job("alice", REQUEST, loop), plain).join)
     assert all(float(entry.split(" after ")[1]) < 0.2 for entry in plain)
+
+
+class BlockingRunner:
+    """Holds the worker on its first job until released; records what it ran."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.ran: list[GenerationRequest] = []
+
+    def generate(self, request: GenerationRequest, emit, cancelled, queue_wait_s: float = 0.0):  # type: ignore[no-untyped-def]
+        self.ran.append(request)
+        self.release.wait(10)
+        raise RuntimeError("not a real generation")
+
+
+async def test_a_cancelled_waiting_job_leaves_the_queue_at_once_and_frees_its_place() -> None:
+    runner = BlockingRunner()
+    queue = scheduler.Scheduler(runner, max_queue=1)  # type: ignore[arg-type]
+    queue.start()
+    try:
+        running = queue.submit("alice", REQUEST)
+        while not runner.ran:
+            await asyncio.sleep(0.01)
+        waiting = queue.submit("bob", REQUEST)
+        with pytest.raises(scheduler.QueueFullError):
+            queue.check_room()
+        waiting.cancel()
+        event = await asyncio.wait_for(waiting.events.get(), 1)  # recorded now, not when the worker is free
+        assert isinstance(event, scheduler.Failed) and isinstance(event.error, asyncio.CancelledError)
+        queue.check_room()  # its place is free for another request
+        assert queue.waiting == 0
+        running.cancel()  # a running job stays with the worker, which sees the cancellation itself
+        assert running.events.empty()
+    finally:
+        runner.release.set()
+        queue.stop()
