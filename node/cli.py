@@ -101,7 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
     gc.freeze()
     forward = loaded.forward_path
     message = (_how_to_call(args.host, args.port, model_id, new_key)
-               + f"Forward: {forward.name} ({forward.reason}); TENZRO_NATIVE=off keeps transformers'\n")
+               + f"Forward: {forward.name} ({forward.reason}); TENZRO_NATIVE=off selects transformers' forward\n")
     try:
         # handler_cancellation: a client that goes away cancels its handler, which stops its generation.
         web.run_app(app, host=args.host, port=args.port, access_log=None, handler_cancellation=True,
