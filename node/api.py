@@ -215,7 +215,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     caller = caller_of(request)
     completion = await read_body(request, parse_completion)
     service = _service(request, completion.params.model)
-    prompt = await off_loop(request, service.text_prompt, completion.prompt)
+    # Text is tokenized off the loop; token ids are checked on it (bounded by the context, no thread hop on
+    # the time to first token).
+    text = isinstance(completion.prompt, str)
+    prompt = await off_loop(request, service.text_prompt, completion.prompt) if text else service.text_prompt(
+        completion.prompt)
     return await _respond(request, service, caller, prompt, completion.params, Shape(False, service.model_id))
 
 

@@ -80,10 +80,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     metrics = request.app[METRICS]
     try:
         response = await handler(request)
-    except asyncio.CancelledError:  # the client went away (handler cancellation): nothing to answer
-        metrics.requests.labels(endpoint=endpoint, status=CLIENT_GONE).inc()
-        raise
-    except ConnectionResetError:  # a write to a client that went away
+    except (asyncio.CancelledError, ConnectionResetError):  # the client went away: nothing to answer
         metrics.requests.labels(endpoint=endpoint, status=CLIENT_GONE).inc()
         raise
     except ApiError as exc:

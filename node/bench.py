@@ -270,21 +270,18 @@ class LocalNode:
             self.port = int(sock.getsockname()[1])
         self.root = f"http://127.0.0.1:{self.port}"
         self.api_key = ""
-        self.operator_key = ""
-        """For /metrics and the queue in /health."""
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
-        added = subprocess.run([*self.tenzro, "keys", "add", "bench", "--config", str(self.config)],
+    def add_key(self, name: str, role: str = "caller") -> str:
+        """A new key of `role` in this node's config (also while it runs); returns the key."""
+        added = subprocess.run([*self.tenzro, "keys", "add", name, "--role", role, "--config", str(self.config)],
                                capture_output=True, text=True, check=False)
         if added.returncode != 0:
-            raise BenchError(f"'tenzro keys add' failed: {added.stderr.strip()}")
-        self.api_key = added.stdout.strip().splitlines()[-1]
-        operator = subprocess.run([*self.tenzro, "keys", "add", "bench-operator", "--role", "operator", "--config",
-                                   str(self.config)], capture_output=True, text=True, check=False)
-        if operator.returncode != 0:
-            raise BenchError(f"'tenzro keys add --role operator' failed: {operator.stderr.strip()}")
-        self.operator_key = operator.stdout.strip().splitlines()[-1]
+            raise BenchError(f"'tenzro keys add --role {role}' failed: {added.stderr.strip()}")
+        return added.stdout.strip().splitlines()[-1]
+
+    def start(self) -> None:
+        self.api_key = self.add_key("bench")
         # Its own ledger and prices: a benchmark's usage records are not the user's.
         command = [*self.tenzro, "node", "serve", "--config", str(self.config), "--model", self.model,
                    "--host", "127.0.0.1", "--port", str(self.port), "--threads", str(self.threads),

@@ -303,7 +303,8 @@ async def _local_mode(session: aiohttp.ClientSession, args: argparse.Namespace, 
     try:
         node.start()
         await node.wait_healthy(session)
-        client = AgentClient(session, api_base(node.root), node.api_key, node.root + "/metrics", node.operator_key)
+        client = AgentClient(session, api_base(node.root), node.api_key, node.root + "/metrics",
+                             node.add_key("bench-operator", "operator"))  # for /metrics
         client.model = await client.first_model()
         await client.complete(PromptSource(SEED).prefix(WARMUP_TOKENS))  # untimed; shares no token with chats
         baseline = await client.scrape()

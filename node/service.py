@@ -2,18 +2,18 @@
 
 Rendering and tokenizing grow with a request's size, so the HTTP layer runs them off the event loop; before
 either, a prompt whose text alone cannot fit the context is refused: no token of this tokenizer stands for
-more than `max_token_bytes` bytes, so B bytes of text are at least B / max_token_bytes tokens.
+more than `LoadedModel.max_token_bytes` bytes, so B bytes of text are at least B / max_token_bytes tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cache.arena import Scope
 from cache.prefix_cache import PrefixCache
 from cache.snapshot_policy import SnapshotPolicy
 from node.config import Limits
-from node.engine.chat_template import ChatTemplateError, RenderedChat, max_token_bytes, render_chat
+from node.engine.chat_template import ChatTemplateError, RenderedChat, render_chat
 from node.engine.loader import LoadedModel
 from node.engine.runner import GenerationRequest, Runner
 from node.engine.sampling import SamplingParams
@@ -27,14 +27,12 @@ class ModelService:
     loaded: LoadedModel
     runner: Runner
     scheduler: Scheduler
-    max_token_bytes: int = field(default=0)
-    """The most bytes of text one token stands for; 0 means computed from the tokenizer."""
 
     @classmethod
     def create(cls, loaded: LoadedModel, prefix_cache: PrefixCache | None, max_queue: int,
                policy: SnapshotPolicy | None = None) -> ModelService:
         runner = Runner(loaded, prefix_cache, policy=policy)
-        return cls(loaded, runner, Scheduler(runner, max_queue), max_token_bytes(loaded.tokenizer))
+        return cls(loaded, runner, Scheduler(runner, max_queue))
 
     @property
     def model_id(self) -> str:
@@ -46,7 +44,7 @@ class ModelService:
 
     def check_text_fits(self, text_bytes: int, param: str) -> None:
         """Refuse, before rendering or tokenizing, text too long for the context whatever its tokens."""
-        per_token = self.max_token_bytes or max_token_bytes(self.loaded.tokenizer)
+        per_token = self.loaded.max_token_bytes
         least = -(-text_bytes // per_token)
         if least >= self.loaded.context_length:
             raise invalid_request(f"the prompt's text is {text_bytes} bytes, at least {least} tokens (no token of "
@@ -62,12 +60,13 @@ class ModelService:
             raise invalid_request(f"model {self.model_id!r}: {exc}", param="messages") from exc
 
     def text_prompt(self, prompt: str | tuple[int, ...]) -> RenderedChat:
-        """A text completion prompt: no message structure, so no boundaries."""
+        """A text completion prompt: no message structure, so no boundaries. Token ids are checked only when
+        they can fit the context (`request` refuses the others), so the check is bounded by the context."""
         if isinstance(prompt, str):
             self.check_text_fits(len(prompt.encode("utf-8", "surrogatepass")), "prompt")
             return RenderedChat(list(self.loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]), ())
         vocab = self.vocab_size
-        if prompt and (min(prompt) < 0 or max(prompt) >= vocab):
+        if prompt and len(prompt) < self.loaded.context_length and (min(prompt) < 0 or max(prompt) >= vocab):
             bad = next(i for i, t in enumerate(prompt) if not 0 <= t < vocab)
             raise invalid_request(f"prompt[{bad}] is not a token id of this model (0 to {vocab - 1})",
                                   param="prompt")

@@ -18,6 +18,7 @@ API does, never as control tokens: a user cannot forge a turn. Only the template
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,15 +40,11 @@ class RenderedChat:
 def max_token_bytes(tokenizer: Any) -> int:
     """The most UTF-8 bytes one token of `tokenizer` stands for (special tokens included): any text of B bytes
     is at least B / this many tokens, which bounds a prompt's length before it is rendered or tokenized."""
-    longest = 1
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    for token, _ in tokenizer.get_vocab().items():
-        if backend is not None and backend.decoder is not None:
-            text = backend.decoder.decode([token])
-        else:
-            text = tokenizer.convert_tokens_to_string([token])
-        longest = max(longest, len(text.encode("utf-8", "surrogatepass")))
-    return longest
+    decoder = backend.decoder if backend is not None else None
+    text: Callable[[str], str] = ((lambda token: decoder.decode([token])) if decoder is not None
+                                  else (lambda token: tokenizer.convert_tokens_to_string([token])))
+    return max((len(text(token).encode("utf-8", "surrogatepass")) for token in tokenizer.get_vocab()), default=1)
 
 
 def _special_strings(tokenizer: Any) -> list[str]:

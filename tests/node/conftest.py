@@ -50,8 +50,8 @@ class Node:
     def base(self) -> str:
         return self.url + "/v1"
 
-    def add_key(self, name: str) -> str:
-        result = tenzro("keys", "add", name, "--config", str(self.config), env=self.env)
+    def add_key(self, name: str, role: str = "caller") -> str:
+        result = tenzro("keys", "add", name, "--role", role, "--config", str(self.config), env=self.env)
         assert result.returncode == 0, result.stderr
         return result.stdout.strip().splitlines()[-1]
 

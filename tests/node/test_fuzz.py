@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.node.conftest import Node, tenzro
+from tests.node.conftest import Node
 
 EXAMPLES = int(os.environ.get("TENZRO_FUZZ_EXAMPLES", "400"))
 
@@ -90,16 +90,10 @@ def request(draw: st.DrawFn, model: str, keys: dict[str, str]) -> tuple[str, str
     return "GET", path, None, headers
 
 
-def add_key(node: Node, name: str, role: str) -> str:
-    result = tenzro("keys", "add", name, "--role", role, "--config", str(node.config), env=node.env)
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip().splitlines()[-1]
-
-
 def test_generated_requests_get_no_5xx_and_openai_shaped_errors(node_factory, small_model_dir: Path) -> None:
     node = node_factory(small_model_dir)
-    keys = {"caller": add_key(node, "alice", "caller"), "auditor": add_key(node, "audit", "auditor"),
-            "operator": add_key(node, "ops", "operator")}
+    keys = {"caller": node.add_key("alice"), "auditor": node.add_key("audit", "auditor"),
+            "operator": node.add_key("ops", "operator")}
     host, port = node.url.removeprefix("http://").split(":")
     statuses: Counter[int] = Counter()
     connection = http.client.HTTPConnection(host, int(port), timeout=60)

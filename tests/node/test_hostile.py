@@ -18,15 +18,9 @@ import aiohttp
 import openai
 import pytest
 
-from tests.node.conftest import Node, tenzro
+from tests.node.conftest import Node
 
 HEALTH_BOUND_S = 0.1
-
-
-def add_key(node: Node, name: str, role: str) -> str:
-    result = tenzro("keys", "add", name, "--role", role, "--config", str(node.config), env=node.env)
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip().splitlines()[-1]
 
 
 def client(node: Node, key: str) -> openai.OpenAI:
@@ -100,7 +94,7 @@ def test_huge_conversations_and_prompts_never_stall_health(node_factory, small_m
 
 def test_an_abandoned_plain_request_stops_and_is_billed_as_cancelled(node_factory, small_model_dir: Path) -> None:
     node = node_factory(small_model_dir)
-    key, auditor = node.add_key("alice"), add_key(node, "audit", "auditor")
+    key, auditor = node.add_key("alice"), node.add_key("audit", "auditor")
     body = {"model": small_model_dir.name, "prompt": list(range(1000, 1100)), "max_tokens": 3000,
             "temperature": 0}
 
@@ -131,7 +125,7 @@ def test_an_abandoned_plain_request_stops_and_is_billed_as_cancelled(node_factor
 def test_metrics_and_queue_depth_are_for_operator_keys_and_show_no_exact_request_counts(
         node_factory, small_model_dir: Path) -> None:
     node = node_factory(small_model_dir)
-    key, operator = node.add_key("alice"), add_key(node, "ops", "operator")
+    key, operator = node.add_key("alice"), node.add_key("ops", "operator")
     c = client(node, key)
     c.completions.create(model=small_model_dir.name, prompt=list(range(2000, 2050)), max_tokens=2, temperature=0)
 

@@ -171,19 +171,27 @@ def test_errors_are_openai_shaped_and_the_node_keeps_serving(node_factory, small
 
 def test_full_queue_answers_503_and_health_answers_during_prefill(node_factory, small_model_dir: Path) -> None:
     node = node_factory(small_model_dir, config_text="limits:\n  max_queue: 1\n")
-    key = node.add_key("alice")
+    key, operator = node.add_key("alice"), node.add_key("ops", "operator")
     long = {"model": small_model_dir.name, "prompt": list(range(100, 2100)), "max_tokens": 1900}
 
     async def run() -> None:
         headers = {"Authorization": f"Bearer {key}"}
         async with aiohttp.ClientSession() as session:
+            async def until_waiting(count: int) -> None:  # the queue's depth, as an operator sees it
+                while True:
+                    async with session.get(node.url + "/health",
+                                           headers={"Authorization": f"Bearer {operator}"}) as health:
+                        assert health.status == 200
+                        if (await health.json())["waiting"] == count:
+                            return
+                    await asyncio.sleep(0.02)
+
             url = node.base + "/completions"
             busy = [asyncio.create_task(_post(session, url, headers, long))]
-            await asyncio.sleep(0.25)  # the worker takes the first off the queue before the second arrives
+            await asyncio.sleep(0.1)
+            await until_waiting(0)  # the worker took the first off the queue before the second arrives
             busy.append(asyncio.create_task(_post(session, url, headers, long)))
-            await asyncio.sleep(0.25)
-            async with session.get(node.url + "/health") as health:
-                assert health.status == 200
+            await until_waiting(1)
             status, payload = await _post(session, url, headers, long)
             assert status == 503 and payload["error"]["code"] == "queue_full"
             assert [s for s, _ in await asyncio.gather(*busy)] == [200, 200]
@@ -193,18 +201,10 @@ def test_full_queue_answers_503_and_health_answers_during_prefill(node_factory, 
     asyncio.run(run())
 
 
-def operator_key(node: Node) -> str:
-    from tests.node.conftest import tenzro
-
-    result = tenzro("keys", "add", "ops", "--role", "operator", "--config", str(node.config), env=node.env)
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip().splitlines()[-1]
-
-
 def test_models_and_metrics(node_factory, small_model_dir: Path) -> None:
     node = node_factory(small_model_dir)
     c = client(node, node.add_key("alice"))
-    operator = operator_key(node)
+    operator = node.add_key("ops", "operator")
     assert [m.id for m in c.models.list().data] == [small_model_dir.name]
     prompt = list(range(2000, 2050))
     c.completions.create(model=small_model_dir.name, prompt=prompt, max_tokens=2, temperature=0)
@@ -236,7 +236,7 @@ def test_the_node_says_which_forward_its_model_runs_and_why(node_factory, small_
     log, `GET /v1/node` and `/metrics`."""
     expected = load_model(small_model_dir.name, small_model_dir).forward_path
     node = node_factory(small_model_dir)
-    operator = operator_key(node)
+    operator = node.add_key("ops", "operator")
 
     async def read() -> tuple[dict[str, object], str]:
         async with aiohttp.ClientSession() as session:
