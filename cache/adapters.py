@@ -161,6 +161,7 @@ class ModelStateAdapter:
                     and all(type(layer) is DynamicLayer for layer in template.layers))
         self._template = template if copyable else None
         self._last: DynamicCache | None = None
+        self._unwritten: list[tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = []
         """The working cache handed out last (one is live at a time), which a continuing request takes over."""
 
     def new_cache(self, capacity: int, adopt: int = 0) -> tuple[DynamicCache, int]:
@@ -204,9 +205,46 @@ class ModelStateAdapter:
         return tuple(tuple(adapter.snapshot(layer) for _, adapter in components)
                      for components, layer in zip(self._components, cache.layers, strict=True))
 
+    def restore_span(self, cache: DynamicCache, state: SpanState, start: int, take: int) -> None:
+        """Append tokens `[start, take)` of a stored span to the cache's full-attention layers, by reference."""
+        for layer, piece in zip(cache.layers, state, strict=True):
+            if piece is not None:
+                self._full.restore_span(layer, piece, start, take)
+
+    def span_rows(self, cache: DynamicCache, index: int, keys: torch.Tensor, values: torch.Tensor, count: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for `count` new K/V rows of layer `index` after its current length, to be written by the caller
+        (`keys`/`values` give heads, head dim and dtype): views of the working buffers, or, for a layer without
+        them, fresh tensors that `finish_rows` appends."""
+        layer = cache.layers[index]
+        key_shape = (1, keys.shape[1], count, keys.shape[3])
+        value_shape = (1, values.shape[1], count, values.shape[3])
+        if isinstance(layer, GrowableKVLayer):
+            # Shapes only: one row, expanded without copying.
+            key_like = torch.empty((1, keys.shape[1], 1, keys.shape[3]), dtype=keys.dtype).expand(key_shape)
+            value_like = torch.empty((1, values.shape[1], 1, values.shape[3]), dtype=values.dtype).expand(value_shape)
+            return layer.write_rows(key_like, value_like)
+        rows = torch.empty(key_shape, dtype=keys.dtype), torch.empty(value_shape, dtype=values.dtype)
+        self._unwritten.append((layer, rows))
+        return rows
+
+    def finish_rows(self, cache: DynamicCache, count: int) -> None:
+        """Append the rows `span_rows` handed out as fresh tensors, then zero those."""
+        for layer, (keys, values) in self._unwritten:
+            layer.update(keys, values)
+            keys.zero_()
+            values.zero_()
+        self._unwritten.clear()
+
+    def restore_snapshot(self, cache: DynamicCache, snapshot: Snapshot, position: int) -> None:
+        """Restore the state at `position` of the layers that need one."""
+        for components, layer, pieces in zip(self._components, cache.layers, snapshot, strict=True):
+            for (_, adapter), piece in zip(components, pieces, strict=True):
+                adapter.restore_snapshot(layer, piece, position)
+
     def restore(self, cache: DynamicCache, spans: Sequence[tuple[SpanState, int]], skip: int = 0,
                 snapshot: Snapshot | None = None, position: int = 0) -> None:
-        """Fill a new working cache to resume at `position`.
+        """Fill a new working cache to resume at `position` from plaintext state.
 
         `spans` cover `[0, position)` in order, (state, tokens to take); the first `skip` tokens are already
         in the cache (an adopted prefix). `snapshot` is the state at `position` for the layers that need one.
@@ -215,14 +253,14 @@ class ModelStateAdapter:
         for state, take in spans:
             start = max(0, skip - offset)
             if start < take:
-                for layer, span_piece in zip(cache.layers, state, strict=True):
-                    if span_piece is not None:
-                        self._full.restore_span(layer, span_piece, start, take)
+                self.restore_span(cache, state, start, take)
             offset += take
         if snapshot is not None:
-            for components, layer, pieces in zip(self._components, cache.layers, snapshot, strict=True):
-                for (_, adapter), piece in zip(components, pieces, strict=True):
-                    adapter.restore_snapshot(layer, piece, position)
+            self.restore_snapshot(cache, snapshot, position)
+
+    def wipe_pool(self, keep: int, dirty: int) -> None:
+        """Zero rows `[keep, dirty)` of the working buffers: what they hold there is no longer hot state."""
+        self._pool.zero_rows(keep, dirty)
 
     def materialize(self, cache: DynamicCache) -> None:
         """Copy restored pieces held by reference into the working buffers (see `GrowableKVLayer.defer`)."""

@@ -1,48 +1,179 @@
-"""The state arena: stored span and snapshot state by handle, with exact byte accounting per caller.
+"""The state arena: stored span and snapshot payloads by handle; plaintext in a bounded hot tier, sealed otherwise.
 
 Only the arena and the adapters hold tensors. Handles are plain ints so the prefix index can keep them
 without knowing what they point to. Each handle is one tree node's state: the span of tokens the node
-covers, and optionally a snapshot taken at the node's end.
+covers (full-attention K/V), and optionally a snapshot taken at the node's end.
+
+Tiers. A payload is stored in plaintext (the hot tier) and sealed by `seal_cold` after the reply, least
+recently used first, until the hot tier holds at most `plaintext_bytes`; sealing zeroes the plaintext it
+replaces. A sealed span opens straight into the working cache's buffers (no plaintext copy in between), in
+messages of at most `BLOCK_TOKENS` tokens of one head, opened in parallel threads; opening leaves the
+entry sealed. Everything freed or shredded is zeroed first, so no stored state outlives its entry in memory.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import Any
 
-from cache.adapters import Snapshot, SpanState, state_bytes
+import torch
 
-SpanHandle = NewType("SpanHandle", int)
+from cache.adapters import KVPiece, ModelStateAdapter, RecurrentPiece, Snapshot, SpanState, state_bytes
+from cache.budget import CacheBudget
+from cache.prefix_cache import PrefixCache
+from cache.scope import Scope, SpanHandle
+from cache.sealing import TAG_BYTES, Place, Sealer, SealError
+
+__all__ = ["BLOCK_TOKENS", "Scope", "SealedEntryError", "SpanHandle", "StateArena", "new_prefix_cache"]
+
+Payload = SpanState | Snapshot
+BLOCK_TOKENS = 1024
+"""Tokens of one head in one sealed message: 256 KiB at head dim 64 in float32, large enough that the
+per-message cost is small, small enough that a restore has many messages to spread over the cores."""
 
 
-@dataclass(frozen=True, slots=True)
-class Scope:
-    """Whose state this is: lookups never cross scopes."""
+class SealedEntryError(SealError):
+    """Entries of a restore failed authentication; `handles` names them, to drop."""
 
-    caller: str
-    model: str
+    def __init__(self, handles: list[SpanHandle]) -> None:
+        super().__init__(f"{len(handles)} sealed entr{'y' if len(handles) == 1 else 'ies'} failed authentication")
+        self.handles = handles
+
+
+def _map(payload: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """The same structure with every tensor replaced by `fn(tensor)`, in a fixed walk order."""
+    if payload is None:
+        return None
+    if isinstance(payload, KVPiece):
+        return KVPiece(fn(payload.keys), fn(payload.values))
+    if isinstance(payload, RecurrentPiece):
+        return RecurrentPiece(tuple(None if t is None else fn(t) for t in payload.conv),
+                              tuple(None if t is None else fn(t) for t in payload.recurrent))
+    return tuple(_map(part, fn) for part in payload)
+
+
+def _tensors(payload: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map(payload, lambda t: found.append(t) or t)  # type: ignore[func-returns-value]
+    return found
+
+
+def _blocks(tensor: torch.Tensor) -> Iterator[tuple[int, int, int]]:
+    """The messages one tensor is sealed as: (head, first token, end token) for K/V `[1, heads, n, dim]`, else
+    one per index of dim 1 (the whole tensor when it has fewer dims), as (index, 0, 0)."""
+    if tensor.dim() == 4 and tensor.shape[0] == 1:
+        for head in range(tensor.shape[1]):
+            for start in range(0, tensor.shape[2], BLOCK_TOKENS):
+                yield head, start, min(start + BLOCK_TOKENS, tensor.shape[2])
+    elif tensor.dim() >= 2 and tensor.shape[0] == 1:
+        for index in range(tensor.shape[1]):
+            yield index, 0, 0
+    else:
+        yield -1, 0, 0
+
+
+def _part(tensor: torch.Tensor, block: tuple[int, int, int]) -> torch.Tensor:
+    index, start, end = block
+    if index < 0:
+        return tensor.reshape(-1)
+    if tensor.dim() == 4:
+        return tensor[0, index, start:end]
+    return tensor[0, index]
+
+
+def _bytes(tensor: torch.Tensor) -> Any:
+    """A writable byte buffer over `tensor`'s memory (no copy); `tensor` must be contiguous."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def _message_sizes(skeleton: Any) -> list[int]:
+    return [_part(t, b).numel() * t.element_size() for t in _tensors(skeleton) for b in _blocks(t)]
+
+
+@dataclass(slots=True)
+class _Sealed:
+    blob: bytearray
+    nonces: list[bytes]
+    skeleton: Any
+    """The payload's structure with meta tensors: shapes and dtypes, no data."""
+
+
+@dataclass(slots=True)
+class _Part:
+    plain: Any
+    sealed: _Sealed | None
+    nbytes: int
 
 
 @dataclass(slots=True)
 class _Entry:
     scope: Scope
-    span: SpanState
-    snapshot: Snapshot | None
-    nbytes: int
+    start: int
+    end: int
+    span: _Part
+    snapshot: _Part | None
+    last_used: int
+
+    @property
+    def hot(self) -> bool:
+        return self.span.plain is not None or (self.snapshot is not None and self.snapshot.plain is not None)
+
+    @property
+    def nbytes(self) -> int:
+        return self.span.nbytes + (self.snapshot.nbytes if self.snapshot is not None else 0)
+
+
+@torch.inference_mode()
+def _zero(payload: Any) -> None:
+    """Overwrite with zeros (in inference mode: the engine's tensors are inference tensors)."""
+    for tensor in _tensors(payload):
+        tensor.zero_()
+
+
+@torch.inference_mode()
+def _shred(part: _Part | None) -> None:
+    """Zero a part's memory, plaintext or sealed, before it is let go."""
+    if part is None:
+        return
+    if part.plain is not None:
+        _zero(part.plain)
+    if part.sealed is not None and part.sealed.blob:
+        torch.frombuffer(part.sealed.blob, dtype=torch.uint8).zero_()
+    part.plain, part.sealed = None, None
 
 
 class StateArena:
-    """Holds state in memory; `bytes_total` and `bytes_of_caller` are sums of tensor bytes."""
+    """Holds payloads in memory; `bytes_total` and `bytes_of_caller` are sums of plaintext tensor bytes (a sealed
+    payload takes 16 bytes more per message)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sealer: Sealer | None = None, plaintext_bytes: int = 0) -> None:
+        self.sealer = sealer
+        """None: nothing is sealed (tests of the index alone, and `--no-seal`)."""
+        self.plaintext_bytes = plaintext_bytes
         self._entries: dict[SpanHandle, _Entry] = {}
+        self._adapters: dict[str, ModelStateAdapter] = {}
         self._caller_bytes: defaultdict[str, int] = defaultdict(int)
         self._next = itertools.count(1)
+        self._clock = itertools.count(1).__next__
         self.bytes_total = 0
         self.snapshot_bytes = 0
         """The part of `bytes_total` held in snapshots."""
+        self.hot_bytes = 0
+        """The part of `bytes_total` held in plaintext."""
+        self.sealed_bytes = 0
+        self.open_failures = 0
+        self.scratch: list[torch.Tensor] = []
+        """Plaintext opened for the current request outside the working buffers; zeroed by `wipe_scratch`."""
+
+    def register_model(self, model: str, adapter: ModelStateAdapter) -> None:
+        self._adapters[model] = adapter
+
+    @property
+    def sealing(self) -> bool:
+        return self.sealer is not None
 
     def _account(self, scope: Scope, delta: int) -> None:
         self._caller_bytes[scope.caller] += delta
@@ -50,55 +181,230 @@ class StateArena:
             del self._caller_bytes[scope.caller]
         self.bytes_total += delta
 
-    def put(self, scope: Scope, span: SpanState, snapshot: Snapshot | None = None) -> SpanHandle:
+    def _add(self, part: _Part, sign: int) -> None:
+        if part.plain is not None:
+            self.hot_bytes += sign * part.nbytes
+        else:
+            self.sealed_bytes += sign * part.nbytes
+
+    def put(self, scope: Scope, start: int, end: int, span: SpanState) -> SpanHandle:
         handle = SpanHandle(next(self._next))
-        size = state_bytes(span) + state_bytes(snapshot)
-        self._entries[handle] = _Entry(scope, span, snapshot, size)
-        self._account(scope, size)
-        self.snapshot_bytes += state_bytes(snapshot)
+        part = _Part(span, None, state_bytes(span))
+        self._entries[handle] = _Entry(scope, start, end, part, None, self._clock())
+        self._account(scope, part.nbytes)
+        self._add(part, 1)
         return handle
 
-    def span(self, handle: SpanHandle) -> SpanState:
-        return self._entries[handle].span
-
-    def snapshot(self, handle: SpanHandle) -> Snapshot | None:
-        return self._entries[handle].snapshot
+    def scope(self, handle: SpanHandle) -> Scope:
+        return self._entries[handle].scope
 
     def nbytes(self, handle: SpanHandle) -> int:
         return self._entries[handle].nbytes
+
+    def has_snapshot(self, handle: SpanHandle) -> bool:
+        return self._entries[handle].snapshot is not None
+
+    def snapshot_nbytes(self, handle: SpanHandle) -> int:
+        snapshot = self._entries[handle].snapshot
+        return 0 if snapshot is None else snapshot.nbytes
+
+    def is_sealed(self, handle: SpanHandle) -> bool:
+        entry = self._entries[handle]
+        return entry.span.sealed is not None and (entry.snapshot is None or entry.snapshot.sealed is not None)
 
     def attach_snapshot(self, handle: SpanHandle, snapshot: Snapshot) -> None:
         """Keep `snapshot` as the state at the end of this handle's span (once; a second is ignored)."""
         entry = self._entries[handle]
         if entry.snapshot is None:
-            size = state_bytes(snapshot)
-            entry.snapshot, entry.nbytes = snapshot, entry.nbytes + size
-            self._account(entry.scope, size)
-            self.snapshot_bytes += size
+            entry.snapshot = _Part(snapshot, None, state_bytes(snapshot))
+            entry.last_used = self._clock()
+            self._account(entry.scope, entry.snapshot.nbytes)
+            self._add(entry.snapshot, 1)
+            self.snapshot_bytes += entry.snapshot.nbytes
 
     def drop_snapshot(self, handle: SpanHandle) -> int:
         entry = self._entries[handle]
-        size = state_bytes(entry.snapshot)
-        entry.snapshot, entry.nbytes = None, entry.nbytes - size
+        if entry.snapshot is None:
+            return 0
+        size = entry.snapshot.nbytes
+        self._add(entry.snapshot, -1)
+        _shred(entry.snapshot)
+        entry.snapshot = None
         self._account(entry.scope, -size)
         self.snapshot_bytes -= size
         return size
 
     def free(self, handle: SpanHandle) -> int:
-        """Drop a handle's state; returns the bytes released."""
+        """Drop a handle's state, zeroed first; returns the bytes released."""
         entry = self._entries.pop(handle)
-        self._account(entry.scope, -entry.nbytes)
-        self.snapshot_bytes -= state_bytes(entry.snapshot)
-        return entry.nbytes
+        size = entry.nbytes
+        self._account(entry.scope, -size)
+        for part in (entry.span, entry.snapshot):
+            if part is not None:
+                self._add(part, -1)
+                _shred(part)
+        if entry.snapshot is not None:
+            self.snapshot_bytes -= entry.snapshot.nbytes
+        return size
 
-    def split(self, handle: SpanHandle, parts: tuple[SpanState, SpanState]) -> tuple[SpanHandle, SpanHandle]:
-        """Swap one span for its two halves; the snapshot stays at the end, with the second half."""
+    def split(self, handle: SpanHandle, offset: int) -> tuple[SpanHandle, SpanHandle]:
+        """Swap one span for its two halves (in plaintext, sealed again later); the snapshot stays at the end,
+        with the second half."""
         entry = self._entries[handle]
+        adapter = self._adapters[entry.scope.model]
+        span = self._plain(handle, entry, "span", entry.span)
+        snapshot = None if entry.snapshot is None else self._plain(handle, entry, "snapshot", entry.snapshot)
+        left_state, right_state = adapter.split(span, offset)
+        scope, start, end = entry.scope, entry.start, entry.end
         self.free(handle)
-        return self.put(entry.scope, parts[0]), self.put(entry.scope, parts[1], entry.snapshot)
+        left = self.put(scope, start, start + offset, left_state)
+        right = self.put(scope, start + offset, end, right_state)
+        if snapshot is not None:
+            self.attach_snapshot(right, snapshot)
+        return left, right
+
+    def _plain(self, handle: SpanHandle, entry: _Entry, kind: str, part: _Part) -> Any:
+        """A part's plaintext: itself when hot, else opened into fresh tensors (kept in `scratch`)."""
+        if part.plain is not None:
+            return part.plain
+        assert part.sealed is not None and self.sealer is not None
+        opened = _map(part.sealed.skeleton, lambda t: torch.empty(t.shape, dtype=t.dtype))
+        outs = [_bytes(_part(t, b)) for t in _tensors(opened) for b in _blocks(t)]
+        place = Place(handle, entry.start, entry.end, kind)
+        try:
+            self.sealer.run_open(self.sealer.open_jobs(entry.scope, place, part.sealed.nonces, part.sealed.blob, outs))
+        except SealError:
+            self.open_failures += 1
+            _zero(opened)
+            raise SealedEntryError([handle]) from None
+        self.scratch.extend(_tensors(opened))
+        return opened
+
+    # -- restoring into a working cache ------------------------------------------------------------------
+
+    def restore(self, adapter: ModelStateAdapter, cache: Any, spans: Sequence[tuple[SpanHandle, int]], skip: int,
+                snapshot: SpanHandle | None, position: int) -> None:
+        """Fill a new working cache to resume at `position`: `spans` cover `[0, position)` in order, (handle,
+        tokens to take); the first `skip` tokens are already in the cache (an adopted prefix). Hot spans are
+        taken by reference, sealed ones opened into the working buffers. Raises SealedEntryError naming the
+        entries that failed to open (the cache is then unusable: start a fresh one)."""
+        offset, now = 0, self._clock()
+        for handle, take in spans:
+            entry = self._entries[handle]
+            entry.last_used = now
+            start = max(0, skip - offset)
+            if start < take:
+                if entry.span.plain is not None:
+                    adapter.restore_span(cache, entry.span.plain, start, take)
+                else:
+                    self._open_span(adapter, cache, handle, entry, start, take)
+            offset += take
+        if snapshot is not None:
+            entry = self._entries[snapshot]
+            entry.last_used = now
+            assert entry.snapshot is not None
+            adapter.restore_snapshot(cache, self._plain(snapshot, entry, "snapshot", entry.snapshot), position)
+
+    def _open_span(self, adapter: ModelStateAdapter, cache: Any, handle: SpanHandle, entry: _Entry, start: int,
+                   take: int) -> None:
+        """Open tokens `[start, take)` of a sealed span into the working cache: whole blocks straight into the
+        layers' buffers, a block cut by `start` or `take` through a scratch block."""
+        assert entry.span.sealed is not None and self.sealer is not None
+        sealed = entry.span.sealed
+        sizes = _message_sizes(sealed.skeleton)
+        outs, copies, index = [], [], 0
+        offsets = list(itertools.accumulate([0] + [size + TAG_BYTES for size in sizes]))
+        pieces = iter(_tensors(sealed.skeleton))
+        for layer_index, piece in enumerate(sealed.skeleton):
+            if piece is None:
+                continue
+            keys, values = next(pieces), next(pieces)
+            rows = adapter.span_rows(cache, layer_index, keys, values, take - start)
+            for meta, target in ((keys, rows[0]), (values, rows[1])):
+                for block in _blocks(meta):
+                    head, first, end = block
+                    if end > start and first < take:
+                        if first >= start and end <= take:
+                            out = target[0, head, first - start:end - start]
+                        else:
+                            out = torch.empty((end - first, meta.shape[-1]), dtype=meta.dtype)
+                            copies.append((out, target[0, head], first, end))
+                        outs.append((index, _bytes(out)))
+                    index += 1
+        place = Place(handle, entry.start, entry.end, "span")
+        blob = memoryview(sealed.blob)
+        jobs = [self.sealer.open_job(entry.scope, place, message, sealed.nonces[message],
+                                     blob[offsets[message]:offsets[message + 1]], out) for message, out in outs]
+        try:
+            self.sealer.run_open(jobs)
+        except SealError:
+            self.open_failures += 1
+            raise SealedEntryError([handle]) from None
+        finally:
+            for scratch, row_target, first, end in copies:
+                lo, hi = max(first, start), min(end, take)
+                row_target[lo - start:hi - start].copy_(scratch[lo - first:hi - first])
+                scratch.zero_()
+        adapter.finish_rows(cache, take - start)
+
+    # -- tiers --------------------------------------------------------------------------------------------
+
+    def seal_cold(self, stop: Callable[[], bool] = lambda: False) -> int:
+        """Seal plaintext, least recently used first, until the hot tier holds at most `plaintext_bytes`;
+        returns the bytes sealed. `stop()` is asked between entries: a waiting request goes first."""
+        if self.sealer is None or self.hot_bytes <= self.plaintext_bytes:
+            return 0
+        sealed = 0
+        hot = sorted((entry.last_used, handle) for handle, entry in self._entries.items() if entry.hot)
+        for _, handle in hot:
+            if self.hot_bytes <= self.plaintext_bytes or stop():
+                break
+            entry = self._entries[handle]
+            for kind, part in (("span", entry.span), ("snapshot", entry.snapshot)):
+                if part is not None and part.plain is not None:
+                    self._seal(handle, entry, kind, part)
+                    sealed += part.nbytes
+        return sealed
+
+    @torch.inference_mode()
+    def _seal(self, handle: SpanHandle, entry: _Entry, kind: str, part: _Part) -> None:
+        assert self.sealer is not None
+        tensors = [t if t.is_contiguous() else t.contiguous() for t in _tensors(part.plain)]
+        messages = [_bytes(_part(t, b)) for t in tensors for b in _blocks(t)]
+        blob = bytearray(sum(m.nbytes for m in messages) + TAG_BYTES * len(messages))
+        nonces = self.sealer.seal(entry.scope, Place(handle, entry.start, entry.end, kind), messages, blob)
+        skeleton = _map(part.plain, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
+        self._add(part, -1)
+        _zero(part.plain)
+        for tensor in tensors:
+            tensor.zero_()
+        part.plain, part.sealed = None, _Sealed(blob, nonces, skeleton)
+        self._add(part, 1)
+
+    @torch.inference_mode()
+    def wipe_scratch(self) -> None:
+        for tensor in self.scratch:
+            tensor.zero_()
+        self.scratch.clear()
+
+    def forget(self, scope: Scope) -> None:
+        """The scope's key dies (its entries must be freed already): nothing sealed under it opens again."""
+        if self.sealer is not None:
+            self.sealer.forget(scope)
 
     def bytes_of_caller(self, caller: str) -> int:
         return self._caller_bytes.get(caller, 0)
 
+    def describe(self) -> dict[str, Any]:
+        return {"entries": len(self._entries), "bytes": self.bytes_total, "plaintext_bytes": self.hot_bytes,
+                "sealed_bytes": self.sealed_bytes, "hot_tier_bytes": self.plaintext_bytes,
+                "open_failures": self.open_failures}
+
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def new_prefix_cache(budget: CacheBudget, sealed: bool = True, plaintext_bytes: int = 0,
+                     threads: int | None = None) -> PrefixCache:
+    """A prefix cache over a new arena: sealed under a new boot master key unless `sealed` is False."""
+    return PrefixCache(budget, StateArena(Sealer(threads) if sealed else None, plaintext_bytes))

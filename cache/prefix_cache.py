@@ -1,5 +1,9 @@
 """The prefix cache: per-scope radix trees over one state arena, resume points, budgets and eviction.
 
+It decides on metadata only: scopes, handles, bytes, whether a handle holds a snapshot. Payloads (tensors,
+sealed or not) live in the arena, which this module reaches through `StateStore` and never imports: no
+torch here, so nothing in the index can read state.
+
 A request acquires a lease on the deepest resume point of its tokens in its own scope, restores the
 leased state, computes the rest, and stores what it computed plus the snapshots it took. Lookups take
 the scope from the authenticated caller; there is no lookup by anything else.
@@ -12,13 +16,32 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from cache.adapters import ModelStateAdapter, Snapshot, SpanState, state_bytes
-from cache.arena import Scope, SpanHandle, StateArena
 from cache.budget import CacheBudget
 from cache.radix_tree import RadixTree, TreeNode
+from cache.scope import Scope, SpanHandle
+
+
+class StateStore(Protocol):
+    """What the index needs of the arena: metadata by handle, and moving payloads it never looks into."""
+
+    bytes_total: int
+
+    def put(self, scope: Scope, start: int, end: int, span: Any) -> SpanHandle: ...
+    def attach_snapshot(self, handle: SpanHandle, snapshot: Any) -> None: ...
+    def has_snapshot(self, handle: SpanHandle) -> bool: ...
+    def nbytes(self, handle: SpanHandle) -> int: ...
+    def snapshot_nbytes(self, handle: SpanHandle) -> int: ...
+    def drop_snapshot(self, handle: SpanHandle) -> int: ...
+    def free(self, handle: SpanHandle) -> int: ...
+    def split(self, handle: SpanHandle, offset: int) -> tuple[SpanHandle, SpanHandle]: ...
+    def bytes_of_caller(self, caller: str) -> int: ...
+    def forget(self, scope: Scope) -> None: ...
+    def seal_cold(self, stop: Callable[[], bool]) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +52,8 @@ class ReuseLease:
     length: int
     spans: tuple[tuple[SpanHandle, int], ...]
     """(handle, tokens to take from the start of that span), covering `[0, length)` in prompt order."""
-    snapshot: Snapshot | None
+    snapshot: SpanHandle | None
+    """The handle whose snapshot is the state at `length`, for models that need one."""
     node: TreeNode[SpanHandle] | None
     matched: int
     """How far the stored tokens agree with the request (at least `length`)."""
@@ -44,28 +68,25 @@ class StoreResult:
 
 
 class PrefixCache:
-    def __init__(self, budget: CacheBudget) -> None:
+    def __init__(self, budget: CacheBudget, arena: StateStore) -> None:
         self.budget = budget
-        self.arena = StateArena()
+        self.arena = arena
         self._trees: dict[Scope, RadixTree[SpanHandle]] = {}
-        self._adapters: dict[str, ModelStateAdapter] = {}
+        self._needs_snapshots: dict[str, bool] = {}
         self._clock = itertools.count(1).__next__
+        self._used: dict[Scope, float] = {}
+        """When each scope was last used (monotonic seconds), for time-to-live expiry."""
         self.evicted_spans = 0
         self.evicted_snapshots = 0
+        self.expired_scopes = 0
 
-    def register_model(self, model: str, adapter: ModelStateAdapter) -> None:
-        self._adapters[model] = adapter
+    def register_model(self, model: str, needs_snapshots: bool) -> None:
+        self._needs_snapshots[model] = needs_snapshots
 
     def _tree(self, scope: Scope) -> RadixTree[SpanHandle]:
         tree = self._trees.get(scope)
         if tree is None:
-            adapter = self._adapters[scope.model]
-            arena = self.arena
-
-            def split(handle: SpanHandle, offset: int) -> tuple[SpanHandle, SpanHandle]:
-                return arena.split(handle, adapter.split(arena.span(handle), offset))
-
-            tree = self._trees[scope] = RadixTree(split, self._clock)
+            tree = self._trees[scope] = RadixTree(self.arena.split, self._clock)
         return tree
 
     def acquire(self, scope: Scope, tokens: Sequence[int], limit: int, anywhere: bool) -> ReuseLease:
@@ -77,6 +98,7 @@ class PrefixCache:
         tree = self._trees.get(scope)
         if tree is None or limit <= 0:
             return ReuseLease(scope, 0, (), None, None, 0)
+        self._used[scope] = time.monotonic()
         match = tree.match(tokens)
         cap = min(match.length, limit)
         length, snapshot, last = 0, None, None
@@ -86,9 +108,8 @@ class PrefixCache:
             if node.end > cap:
                 break
             assert node.handle is not None
-            node_snapshot = self.arena.snapshot(node.handle)
-            if not anywhere and node_snapshot is not None:
-                length, snapshot = node.end, node_snapshot
+            if not anywhere and self.arena.has_snapshot(node.handle):
+                length, snapshot = node.end, node.handle
         spans: list[tuple[SpanHandle, int]] = []
         for node in match.nodes:
             if node.start >= length:
@@ -100,21 +121,19 @@ class PrefixCache:
             tree.lock(last)
         return ReuseLease(scope, length, tuple(spans), snapshot, last, match.length)
 
-    def restore_list(self, lease: ReuseLease) -> list[tuple[SpanState, int]]:
-        return [(self.arena.span(handle), take) for handle, take in lease.spans]
-
     def release(self, lease: ReuseLease) -> None:
         if lease.node is not None:
             self._trees[lease.scope].unlock(lease.node)
 
-    def store(self, scope: Scope, tokens: Sequence[int], extract: Callable[[int, int], SpanState],
-              snapshots: Mapping[int, Snapshot] | None = None) -> StoreResult:
+    def store(self, scope: Scope, tokens: Sequence[int], extract: Callable[[int, int], Any],
+              snapshots: Mapping[int, Any] | None = None) -> StoreResult:
         """Store the state of `tokens`; `extract(start, end)` cuts a not-yet-held span from the work cache.
 
         `snapshots` maps positions to the state taken there; each becomes a node boundary.
         """
         tree = self._tree(scope)
-        leaf = tree.insert(tokens, lambda start, end: self.arena.put(scope, extract(start, end)))
+        self._used[scope] = time.monotonic()
+        leaf = tree.insert(tokens, lambda start, end: self.arena.put(scope, start, end, extract(start, end)))
         start = len(tokens) if leaf is None else leaf.start  # read now: snapshot boundaries may cut the leaf
         for position in sorted(snapshots or {}):
             if 0 < position <= len(tokens):
@@ -141,17 +160,17 @@ class PrefixCache:
         if self.budget.eviction == "lru":
             return float(node.last_access)
         assert node.handle is not None
+        needs_snapshots = self._needs_snapshots[scope.model]
         if whole:
             held = self.arena.nbytes(node.handle)
-            resumable = (self.arena.snapshot(node.handle) is not None
-                         or not self._adapters[scope.model].needs_snapshots)
+            resumable = self.arena.has_snapshot(node.handle) or not needs_snapshots
         else:
-            held, resumable = state_bytes(self.arena.snapshot(node.handle)), True
+            held, resumable = self.arena.snapshot_nbytes(node.handle), True
         if not resumable:
             return 0.0
         above = node.parent
-        while (above is not None and above.handle is not None and self._adapters[scope.model].needs_snapshots
-               and self.arena.snapshot(above.handle) is None):
+        while (above is not None and above.handle is not None and needs_snapshots
+               and not self.arena.has_snapshot(above.handle)):
             above = above.parent
         base = above.end if above is not None and above.handle is not None else 0
         return (node.end - base) / max(held, 1) / (1 + now - node.last_access)
@@ -167,7 +186,7 @@ class PrefixCache:
             if self.budget.eviction == "value":
                 for node in tree.nodes():
                     if (node.children and node.refs == 0 and node.handle is not None
-                            and self.arena.snapshot(node.handle) is not None):
+                            and self.arena.has_snapshot(node.handle)):
                         heap.append((self._score(scope, node, False, now), next(order), scope, tree, node, False))
         heapq.heapify(heap)
         while heap and over_budget():
@@ -175,7 +194,7 @@ class PrefixCache:
             if node.handle is None:
                 continue  # evicted whole after this entry was made
             if not whole:
-                if self.arena.snapshot(node.handle) is not None:
+                if self.arena.has_snapshot(node.handle):
                     self.arena.drop_snapshot(node.handle)
                     self.evicted_snapshots += 1
                 continue
@@ -187,11 +206,51 @@ class PrefixCache:
                 heapq.heappush(heap, (self._score(scope, parent, True, now), next(order), scope, tree, parent, True))
 
     def drop_scope(self, scope: Scope) -> None:
+        """Free the scope's state, zeroed, and destroy its key: what was sealed under it never opens again."""
         tree = self._trees.pop(scope, None)
+        self._used.pop(scope, None)
         if tree is not None:
             for node in tree.nodes():
                 assert node.handle is not None
                 self.arena.free(node.handle)
+        self.arena.forget(scope)
+
+    def drop_caller(self, caller: str) -> list[Scope]:
+        """Drop every scope of `caller` (its key was removed); returns them."""
+        scopes = [scope for scope in self._trees if scope.caller == caller]
+        for scope in scopes:
+            self.drop_scope(scope)
+        return scopes
+
+    def expire(self, ttl_of: Callable[[str], float | None], now: float | None = None) -> list[Scope]:
+        """Drop the scopes unused for longer than their caller's time to live (None: no limit)."""
+        now = time.monotonic() if now is None else now
+        expired = []
+        for scope, used in list(self._used.items()):
+            ttl = ttl_of(scope.caller)
+            if ttl is not None and now - used > ttl:
+                self.drop_scope(scope)
+                expired.append(scope)
+        self.expired_scopes += len(expired)
+        return expired
+
+    def discard(self, scope: Scope, handles: Sequence[SpanHandle]) -> int:
+        """Drop the nodes holding `handles` and everything below them (entries that failed to open: what lies
+        below cannot be resumed without them); returns the entries freed."""
+        tree = self._trees.get(scope)
+        if tree is None:
+            return 0
+        doomed = set(handles)
+        freed = 0
+        for node in list(tree.nodes()):
+            if node.handle in doomed:
+                for below in tree.remove_subtree(node):
+                    self.arena.free(below)
+                    freed += 1
+        return freed
+
+    def seal_cold(self, stop: Callable[[], bool] = lambda: False) -> int:
+        return self.arena.seal_cold(stop)
 
     def cached_tokens(self, scope: Scope) -> int:
         tree = self._trees.get(scope)
@@ -202,4 +261,4 @@ class PrefixCache:
         if tree is None:
             return []
         return sorted(node.end for node in tree.nodes()
-                      if node.handle is not None and self.arena.snapshot(node.handle) is not None)
+                      if node.handle is not None and self.arena.has_snapshot(node.handle))

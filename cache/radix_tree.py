@@ -157,6 +157,19 @@ class RadixTree(Generic[H]):
         handle, node.parent, node.handle = node.handle, None, None
         return handle
 
+    def remove_subtree(self, node: TreeNode[H]) -> list[H]:
+        """Detach `node` and everything below it (none may be leased); returns their handles."""
+        assert node.parent is not None and node.refs == 0
+        del node.parent.children[node.tokens[0]]
+        handles, stack = [], [node]
+        while stack:
+            current = stack.pop()
+            stack.extend(current.children.values())
+            if current.handle is not None:
+                handles.append(current.handle)
+            current.parent, current.handle, current.children = None, None, {}
+        return handles
+
     def nodes(self) -> Iterator[TreeNode[H]]:
         stack = list(self.root.children.values())
         while stack:

@@ -41,6 +41,13 @@ class BufferPool:
     def held(self, slot: int) -> torch.Tensor | None:
         return self._buffers.get(slot)
 
+    @torch.inference_mode()
+    def zero_rows(self, start: int, end: int) -> None:
+        """Zero token rows `[start, end)` of every buffer."""
+        if end > start:
+            for buffer in self._buffers.values():
+                buffer[:, :, start:end].zero_()
+
 
 class GrowableKVLayer(DynamicLayer):
     """A full-attention layer writing into a preallocated buffer instead of `torch.cat` on every step.
@@ -92,6 +99,14 @@ class GrowableKVLayer(DynamicLayer):
         assert self._key_buffer is not None and self._value_buffer is not None
         end = start + like.shape[-2]
         return self._key_buffer[:, :, start:end], self._value_buffer[:, :, start:end], self.segments()
+
+    def write_rows(self, keys_like: torch.Tensor, values_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the buffers for new K/V rows after the current length (`*_like` give their shapes and dtype),
+        which the caller writes before anything reads this layer."""
+        start = self._reserve(keys_like, values_like)
+        assert self._key_buffer is not None and self._value_buffer is not None
+        end = start + keys_like.shape[-2]
+        return self._key_buffer[:, :, start:end], self._value_buffer[:, :, start:end]
 
     def segments(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) pieces covering positions `[0, length)` in order: buffer views and pieces held by

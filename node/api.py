@@ -53,6 +53,8 @@ def _usage(result: GenerationResult) -> dict[str, Any]:
         # (what resuming at any token would reuse) and the time to first token measured inside the node.
         "matched_tokens": result.matched_tokens,
         "server_ttft_ms": round(result.ttft_s * 1000.0, 3),
+        # Whether this request's state was kept for the caller's reuse; "none": nothing stored, no cached writes.
+        "prompt_cache_retention": "in_memory" if result.retained else "none",
     }
 
 
@@ -130,7 +132,8 @@ async def _next_event(job: MeteredJob) -> Event:
 async def _respond(request: web.Request, service: ModelService, caller: Caller, prompt: RenderedChat,
                    params: CommonParams, shape: Shape) -> web.StreamResponse:
     generation = service.request(caller.name, prompt, params, request.app[CONFIG].limits,
-                                 prompt_param="messages" if shape.chat else "prompt")
+                                 prompt_param="messages" if shape.chat else "prompt",
+                                 retain=caller.retention == "keep")
     response = None
     if params.stream:
         # Headers (and a chat stream's role chunk) go out before the job is queued: once it is, the event loop

@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web, web_protocol
 
-from cache.prefix_cache import PrefixCache
 from node.auth import KeyRing
 from node.config import Caller, NodeConfig
 from node.errors import ApiError
+from node.log_privacy import Safe
 from node.meter import Meter, MeteringPaths
 from node.metrics import NodeMetrics
 from node.service import ModelService
@@ -34,6 +34,7 @@ SERVICE = web.AppKey("service", ModelService)
 METRICS = web.AppKey("metrics", NodeMetrics)
 METER = web.AppKey("meter", Meter)
 PREPARE = web.AppKey("prepare", ThreadPoolExecutor)
+HYGIENE = web.AppKey("hygiene", dict)
 
 PREPARE_THREADS = 2
 INLINE_JSON_BYTES = 64 * 1024
@@ -44,6 +45,8 @@ CLIENT_GONE = "499"
 T = TypeVar("T")
 
 METER_CLOSE_TIMEOUT_S = 30.0
+KEY_REFRESH_S = 0.5
+"""How often the config is re-read: a removed key's state is destroyed within this much (plus the job running)."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -59,7 +62,7 @@ def _parser_error(self: web_protocol.RequestHandler, request: web.BaseRequest, s
     """aiohttp answers what its HTTP parser rejects (an oversized header line, a malformed request) itself,
     outside every middleware, in plain text, and logs the exception, whose message quotes the first 100
     bytes of the offending line. This replacement answers OpenAI-shaped JSON and logs the error's type only."""
-    log.warning("rejected a malformed HTTP request (%s, status %d)", type(exc).__name__, status)
+    log.warning("rejected a malformed HTTP request (%s, status %d)", Safe(type(exc).__name__), status)
     if request.writer.output_size > 0:
         raise ConnectionError("the response was already started")
     reason = "the request is not valid HTTP or one of its lines is too long" if status < 500 else "internal error"
@@ -95,7 +98,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response = _error_response(ApiError(exc.status, exc.reason or "request failed",
                                             type=HTTP_ERROR_TYPES.get(exc.status, "invalid_request_error")))
     except Exception as exc:  # noqa: BLE001 - the node keeps serving; the type is logged, never the content
-        log.error("internal error in %s: %s", endpoint, type(exc).__name__)
+        log.error("internal error in %s: %s", Safe(endpoint), Safe(type(exc).__name__))
         response = _error_response(ApiError(500, "internal error; the request was not completed",
                                             type="server_error"))
     metrics.requests.labels(endpoint=endpoint, status=str(response.status)).inc()
@@ -130,25 +133,39 @@ def caller_of(request: web.Request) -> Caller:
     return request.app[KEYRING].caller_for(request.headers.get("Authorization"))
 
 
-def create_app(config: NodeConfig, config_path: Path, service: ModelService,
-               prefix_cache: PrefixCache | None, metering: MeteringPaths) -> web.Application:
+def create_app(config: NodeConfig, config_path: Path, service: ModelService, metering: MeteringPaths,
+               hygiene: dict[str, Any] | None = None) -> web.Application:
     from node import api, metering_routes  # the routes import the keys above
 
     app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[error_middleware])
     app[CONFIG] = config
-    app[KEYRING] = KeyRing(config_path)
+    scheduler, runner = service.scheduler, service.runner
+    # A caller removed from the config loses its state and keys on the worker thread, which owns them.
+    app[KEYRING] = KeyRing(config_path, on_removed=lambda name: scheduler.chore(lambda: runner.drop_caller(name)))
+    scheduler.ttl_of = app[KEYRING].ttl_of
     app[SERVICE] = service
+    app[HYGIENE] = hygiene or {}
+    arena = runner.arena
     app[METRICS] = NodeMetrics(
-        cached_bytes=lambda: float(prefix_cache.arena.bytes_total) if prefix_cache is not None else 0.0,
-        queue_waiting=lambda: float(service.scheduler.waiting),
-        snapshot_bytes=lambda: float(prefix_cache.arena.snapshot_bytes) if prefix_cache is not None else 0.0,
-        forward_path=(service.model_id, service.loaded.forward_path.name, service.loaded.forward_path.reason))
+        cached_bytes=lambda: float(arena.bytes_total) if arena is not None else 0.0,
+        queue_waiting=lambda: float(scheduler.waiting),
+        snapshot_bytes=lambda: float(arena.snapshot_bytes) if arena is not None else 0.0,
+        forward_path=(service.model_id, service.loaded.forward_path.name, service.loaded.forward_path.reason),
+        plaintext_bytes=lambda: float(arena.hot_bytes) if arena is not None else 0.0,
+        sealed_open_failures=lambda: float(arena.open_failures) if arena is not None else 0.0)
+
+    async def watch_keys(app: web.Application) -> None:
+        while True:
+            await asyncio.sleep(KEY_REFRESH_S)
+            app[KEYRING].refresh()
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         app[PREPARE] = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
-        service.scheduler.start()
+        scheduler.start()
+        watcher = asyncio.create_task(watch_keys(app))
         yield
-        service.scheduler.stop()
+        watcher.cancel()
+        scheduler.stop()
         app[PREPARE].shutdown(wait=False, cancel_futures=True)
 
     async def meter_ctx(app: web.Application) -> AsyncIterator[None]:

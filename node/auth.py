@@ -9,26 +9,43 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from node.config import Caller, ConfigError, hash_key, load_config
 from node.errors import forbidden, unauthorized
+from node.log_privacy import Safe
 
 log = logging.getLogger(__name__)
 
 
 class KeyRing:
-    def __init__(self, config_path: Path) -> None:
+    def __init__(self, config_path: Path, on_removed: Callable[[str], None] | None = None) -> None:
         self._path = config_path
         self._stamp: tuple[int, int] | None = None
         self._by_hash: dict[str, Caller] = {}
+        self._by_name: dict[str, Caller] = {}
+        self._on_removed = on_removed
+        """Called with the name of each caller that left the config: its state and keys are destroyed."""
         self._refresh()
+
+    def refresh(self) -> None:
+        """Re-read the config if it changed (the node calls this every `REFRESH_S`, and on each request)."""
+        self._refresh()
+
+    def ttl_of(self, name: str) -> float | None:
+        caller = self._by_name.get(name)
+        return None if caller is None else caller.ttl_s
 
     def _refresh(self) -> None:
         try:
             stat = os.stat(self._path)
         except FileNotFoundError:
-            self._by_hash, self._stamp = {}, None
+            gone = set(self._by_name)
+            self._by_hash, self._by_name, self._stamp = {}, {}, None
+            if self._on_removed is not None:
+                for name in sorted(gone):
+                    self._on_removed(name)
             return
         stamp = (stat.st_mtime_ns, stat.st_size)
         if stamp != self._stamp:
@@ -36,9 +53,14 @@ class KeyRing:
             try:
                 callers = load_config(self._path).callers
             except (ConfigError, OSError, ValueError, TypeError, AttributeError) as exc:
-                log.error("%s is invalid; the last good keys stay in force: %s", self._path, exc)
+                log.error("%s is invalid; the last good keys stay in force: %s", Safe(self._path), Safe(exc))
                 return
+            gone = set(self._by_name) - {caller.name for caller in callers}
             self._by_hash = {caller.key_sha256: caller for caller in callers}
+            self._by_name = {caller.name: caller for caller in callers}
+            if self._on_removed is not None:
+                for name in sorted(gone):
+                    self._on_removed(name)
 
     def caller_for(self, authorization: str | None) -> Caller:
         """The caller of an `Authorization` header value; raises a 401 ApiError otherwise."""

@@ -7,23 +7,26 @@ import dataclasses
 import gc
 import logging
 import os
-import resource
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from metering.ledger import LedgerError
 from metering.pricing import PricingError, load_pricing
+from node.audit_timing import add_audit_commands
 from node.cli_metering import add_metering_commands, default_pricing_path
 from node.config import (
+    RETENTIONS,
     ROLES,
     ConfigError,
     add_key,
     default_config_path,
     default_ledger_dir,
     load_config,
+    remove_key,
     tenzro_home,
 )
+from node.log_privacy import install_privacy_filter
 
 if TYPE_CHECKING:
     from node.meter import Meter, MeteringPaths
@@ -57,17 +60,31 @@ def _metering_lines(meter: Meter, paths: MeteringPaths, created_prices: bool) ->
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # First, so that the memory lock covers everything loaded after it.
+    from node.hygiene import HygienePolicyError, apply_hygiene, load_hygiene_policy
+
+    hygiene = apply_hygiene()
+    try:
+        hygiene_policy = load_hygiene_policy(args.hygiene_policy)
+    except HygienePolicyError as exc:
+        print(f"tenzro: error: {exc}", file=sys.stderr)
+        return 2
+    missing = hygiene_policy.missing(hygiene, sealing=args.no_reuse or not args.no_seal)
+    if missing:
+        print(f"tenzro: error: the hygiene policy '{hygiene_policy.name}' is not met:\n"
+              + "\n".join(f"  - {line}" for line in missing), file=sys.stderr)
+        return 2
+
     import torch
     from aiohttp import web
 
-    from cache.prefix_cache import PrefixCache
+    from cache.arena import new_prefix_cache
     from cache.snapshot_policy import PolicyError, SnapshotPolicy
     from node.app import METER, create_app
     from node.engine.loader import ModelLoadError, load_model, resolve_model_dir
     from node.meter import MeteringPaths, ensure_price_file
     from node.service import ModelService
 
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dumps: they would hold prompt state
     torch.set_num_threads(args.threads)
     config_path = Path(args.config) if args.config else default_config_path()
     metering = MeteringPaths(ledger_dir=Path(args.ledger) if args.ledger else default_ledger_dir(),
@@ -91,9 +108,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
     budget = dataclasses.replace(config.cache, eviction=args.eviction) if args.eviction else config.cache
-    prefix_cache = None if args.no_reuse else PrefixCache(budget)
+    prefix_cache = None if args.no_reuse else new_prefix_cache(budget, sealed=not args.no_seal,
+                                                               plaintext_bytes=config.plaintext_bytes)
     service = ModelService.create(loaded, prefix_cache, config.limits.max_queue, policy)
-    app = create_app(config, config_path, service, prefix_cache, metering)
+    app = create_app(config, config_path, service, metering, hygiene={**hygiene.as_json(),
+                                                                      "policy": hygiene_policy.name})
     # The model, tokenizer and app are loaded for good: out of the collector's reach, a full collection
     # (which a request building many objects, e.g. 20,000 messages, sets off) no longer walks them all
     # while holding the interpreter lock (/health stalled 240 ms during such a request before, 16 ms after).
@@ -116,12 +135,24 @@ def _serve(args: argparse.Namespace) -> int:
 def _keys_add(args: argparse.Namespace) -> int:
     path = Path(args.config) if args.config else default_config_path()
     try:
-        key = add_key(path, args.name, args.role)
+        key = add_key(path, args.name, args.role, args.retention, args.ttl_s)
     except ConfigError as exc:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
     print(f"API key for {args.role} '{args.name}' (shown once; {path} stores only its hash):")
     print(key)
+    return 0
+
+
+def _keys_remove(args: argparse.Namespace) -> int:
+    path = Path(args.config) if args.config else default_config_path()
+    try:
+        remove_key(path, args.name)
+    except ConfigError as exc:
+        print(f"tenzro: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"removed caller '{args.name}' from {path}; a running node destroys its stored state and keys "
+          "within a second")
     return 0
 
 
@@ -169,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--pricing", help="price file, re-read when it changes (default: "
                        "$TENZRO_HOME/pricing.yaml, created from policies/pricing.yaml when missing)")
     serve.add_argument("--no-reuse", action="store_true", help="compute every prompt from scratch")
+    serve.add_argument("--no-seal", action="store_true",
+                       help="keep stored state in plaintext between requests (for measurements; a policy that "
+                            "requires sealing refuses it)")
     serve.add_argument("--reuse-policy", default="ours", choices=["ours", "interval", "exact"],
                        help="where snapshots are taken: message boundaries, branch points and ends (ours), "
                             "a fixed interval only, or the ends of stored sequences only (exact extension)")
@@ -178,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="under a tight budget, evict by compute saved per byte and recency (value, the "
                             "default) or by recency alone (lru)")
     serve.add_argument("--threads", type=int, default=default_threads(), help="torch CPU threads")
+    serve.add_argument("--hygiene-policy", default="standard",
+                       help="confidential, standard (the default) or a policy YAML file: what the node refuses to "
+                            "start without (locked memory, no swap, sealing)")
     serve.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                        help="weights dtype (default: float32 on CPU, bfloat16 on CUDA)")
@@ -188,7 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("name")
     add.add_argument("--config", help="node config YAML (default: $TENZRO_HOME/node.yaml)")
     add.add_argument("--role", default="caller", choices=list(ROLES))
+    add.add_argument("--retention", choices=list(RETENTIONS),
+                     help="keep (default): the caller's state is kept for its reuse, sealed between requests; "
+                          "none: nothing is kept after a reply")
+    add.add_argument("--ttl", type=int, dest="ttl_s", help="seconds the caller's state lives unused before it is "
+                     "destroyed (default: until evicted)")
     add.set_defaults(func=_keys_add)
+    remove = keys.add_parser("remove", help="remove a caller: its key stops working and a running node destroys "
+                             "its stored state and keys")
+    remove.add_argument("name")
+    remove.add_argument("--config", help="node config YAML (default: $TENZRO_HOME/node.yaml)")
+    remove.set_defaults(func=_keys_remove)
 
     models = groups.add_parser("models", help="models").add_subparsers(dest="command", required=True)
     init = models.add_parser("init", help="write a deterministic randomly initialised model directory")
@@ -241,10 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     scenarios.add_argument("--out", default="bench-results/scenarios.json")
     scenarios.add_argument("--device")
     scenarios.set_defaults(func=_bench_scenarios)
+    add_audit_commands(groups)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_privacy_filter()
     args = build_parser().parse_args(argv)
     sys.exit(args.func(args))

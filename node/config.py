@@ -29,11 +29,18 @@ class ConfigError(ValueError):
     """The configuration file is malformed; the message names the key to change."""
 
 
+RETENTIONS = ("keep", "none")
+"""keep: the caller's state is kept for reuse (sealed between requests); none: nothing is kept after a reply."""
+
+
 @dataclass(frozen=True, slots=True)
 class Caller:
     name: str
     key_sha256: str
     role: str = "caller"
+    retention: str = "keep"
+    ttl_s: int | None = None
+    """Seconds the caller's stored state lives unused before it is destroyed; None: until evicted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +54,8 @@ class Limits:
 class NodeConfig:
     callers: tuple[Caller, ...] = ()
     cache: CacheBudget = field(default_factory=lambda: CacheBudget(node_bytes=4 * GIB, caller_bytes=1 * GIB))
+    plaintext_bytes: int = 0
+    """`cache.plaintext_bytes`: stored state kept unsealed (the hot tier) besides the last working cache."""
     limits: Limits = field(default_factory=Limits)
 
 
@@ -89,17 +98,25 @@ def parse_config(raw: Any) -> NodeConfig:
     top = _section(raw, "config", {"callers", "cache", "limits"}, integers=False) if raw is not None else {}
     callers = []
     for name, entry in (top.get("callers") or {}).items():
-        if not isinstance(entry, dict) or set(entry) - {"key_sha256", "role"} or "key_sha256" not in entry:
-            raise ConfigError(f"callers.{name} must have 'key_sha256' and optionally 'role'")
+        if (not isinstance(entry, dict) or set(entry) - {"key_sha256", "role", "retention", "ttl_s"}
+                or "key_sha256" not in entry):
+            raise ConfigError(f"callers.{name} must have 'key_sha256' and optionally 'role', 'retention', 'ttl_s'")
         if entry.get("role", "caller") not in ROLES:
             raise ConfigError(f"callers.{name}.role must be one of {', '.join(ROLES)}")
-        callers.append(Caller(str(name), str(entry["key_sha256"]), entry.get("role", "caller")))
+        if entry.get("retention", "keep") not in RETENTIONS:
+            raise ConfigError(f"callers.{name}.retention must be one of {', '.join(RETENTIONS)}")
+        ttl = entry.get("ttl_s")
+        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl <= 0):
+            raise ConfigError(f"callers.{name}.ttl_s must be a positive number of seconds")
+        callers.append(Caller(str(name), str(entry["key_sha256"]), entry.get("role", "caller"),
+                              entry.get("retention", "keep"), ttl))
     defaults = NodeConfig()
-    cache = _section(top.get("cache"), "cache", {"node_bytes", "caller_bytes"})
+    cache = _section(top.get("cache"), "cache", {"node_bytes", "caller_bytes", "plaintext_bytes"})
     limits = _section(top.get("limits"), "limits", {"max_queue", "max_body_bytes", "default_max_tokens"})
     budget = CacheBudget(cache.get("node_bytes", defaults.cache.node_bytes),
                          cache.get("caller_bytes", defaults.cache.caller_bytes))
-    return NodeConfig(callers=tuple(callers), cache=budget, limits=replace(defaults.limits, **limits))
+    return NodeConfig(callers=tuple(callers), cache=budget, plaintext_bytes=cache.get("plaintext_bytes", 0),
+                      limits=replace(defaults.limits, **limits))
 
 
 def load_config(path: Path) -> NodeConfig:
@@ -112,10 +129,20 @@ def load_config(path: Path) -> NodeConfig:
     return parse_config(raw)
 
 
+def _dump_caller(caller: Caller) -> dict[str, Any]:
+    entry: dict[str, Any] = {"key_sha256": caller.key_sha256, "role": caller.role}
+    if caller.retention != "keep":
+        entry["retention"] = caller.retention
+    if caller.ttl_s is not None:
+        entry["ttl_s"] = caller.ttl_s
+    return entry
+
+
 def _dump(config: NodeConfig) -> dict[str, Any]:
     return {
-        "callers": {c.name: {"key_sha256": c.key_sha256, "role": c.role} for c in config.callers},
-        "cache": {"node_bytes": config.cache.node_bytes, "caller_bytes": config.cache.caller_bytes},
+        "callers": {c.name: _dump_caller(c) for c in config.callers},
+        "cache": {"node_bytes": config.cache.node_bytes, "caller_bytes": config.cache.caller_bytes,
+                  "plaintext_bytes": config.plaintext_bytes},
         "limits": {"max_queue": config.limits.max_queue, "max_body_bytes": config.limits.max_body_bytes,
                    "default_max_tokens": config.limits.default_max_tokens},
     }
@@ -131,14 +158,31 @@ def save_config(path: Path, config: NodeConfig) -> None:
     os.replace(tmp, path)
 
 
-def add_key(path: Path, name: str, role: str = "caller") -> str:
-    """Create caller `name` (or give it a new key) and return the key; only its hash is stored."""
+def remove_key(path: Path, name: str) -> None:
+    """Remove caller `name`; a running node then destroys the caller's stored state and its key."""
+    config = load_config(path)
+    if not any(c.name == name for c in config.callers):
+        raise ConfigError(f"no caller named {name!r} in {path}")
+    save_config(path, replace(config, callers=tuple(c for c in config.callers if c.name != name)))
+
+
+def add_key(path: Path, name: str, role: str = "caller", retention: str | None = None,
+            ttl_s: int | None = None) -> str:
+    """Create caller `name` (or give it a new key, keeping its retention unless given) and return the key; only
+    its hash is stored."""
     if not NAME_PATTERN.match(name):
         raise ConfigError("a caller name is 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit")
     if role not in ROLES:
         raise ConfigError(f"role must be one of {', '.join(ROLES)}")
+    if retention is not None and retention not in RETENTIONS:
+        raise ConfigError(f"retention must be one of {', '.join(RETENTIONS)}")
+    if ttl_s is not None and ttl_s <= 0:
+        raise ConfigError("ttl_s must be a positive number of seconds")
     config = load_config(path)
+    old = next((c for c in config.callers if c.name == name), None)
     key = KEY_PREFIX + secrets.token_urlsafe(32)
-    callers = tuple(c for c in config.callers if c.name != name) + (Caller(name, hash_key(key), role),)
+    caller = Caller(name, hash_key(key), role, retention or (old.retention if old else "keep"),
+                    ttl_s if ttl_s is not None else (old.ttl_s if old else None))
+    callers = tuple(c for c in config.callers if c.name != name) + (caller,)
     save_config(path, replace(config, callers=callers))
     return key

@@ -22,6 +22,7 @@ from metering.pricing import PricingSource, load_pricing, save_pricing
 from metering.record import RecordStatus, TokenCounts, UsageRecord
 from metering.signer import NodeSigner
 from node.engine.scheduler import Event, Failed, Finished, Job
+from node.log_privacy import Safe
 from policies import policy_file
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class Meter:
         try:
             await self.record(completion, outcome)
         except LedgerError as exc:
-            log.error("the usage of a cancelled completion was not recorded: %s", exc)
+            log.error("the usage of a cancelled completion was not recorded: %s", Safe(exc))
 
     async def _record_when_done(self, job: Job, completion: Completion) -> None:
         while not isinstance(event := await job.events.get(), Finished | Failed):

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from metering.canonical import wei_to_json
 from metering.record import MAX_ID_CHARS, UsageRecord
-from node.app import METER, SERVICE, caller_of
+from node.app import HYGIENE, METER, SERVICE, caller_of
 from node.config import Caller
 from node.errors import ApiError, invalid_request
 
@@ -57,8 +57,8 @@ async def generation(request: web.Request) -> web.Response:
 
 
 async def node_identity(request: web.Request) -> web.Response:
-    """Which key signs this node start's records, the prices it charges now and which forward its model runs
-    on (and why); no key needed."""
+    """Which key signs this node start's records, the prices it charges now, which forward its model runs on
+    (and why), whether stored state is sealed and the process's hygiene; no key needed."""
     meter = request.app[METER]
     prices = meter.pricing.current()
     forward = request.app[SERVICE].loaded.forward_path
@@ -72,6 +72,8 @@ async def node_identity(request: web.Request) -> web.Response:
         "prices": {name: wei_to_json(value) for name, value in prices.to_mapping().items()},
         "pricing_error": meter.pricing.reload_error,
         "forward": {"path": forward.name, "reason": forward.reason},
+        "sealing": request.app[SERVICE].runner.sealing_state(),
+        "hygiene": request.app[HYGIENE],
     })
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.05, 0.25, 1.0, 5.0, 30.0)
@@ -32,10 +32,25 @@ class _WithoutSums(Collector):
                 yield family
 
 
+class _Counted(Collector):
+    """Counters kept elsewhere (the engine's), read at scrape time."""
+
+    def __init__(self, counters: list[tuple[str, str, Callable[[], float]]]) -> None:
+        self._counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        for name, documentation, read in self._counters:
+            family = CounterMetricFamily(name, documentation)
+            family.add_metric([], read())
+            yield family
+
+
 class NodeMetrics:
     def __init__(self, cached_bytes: Callable[[], float], queue_waiting: Callable[[], float],
                  snapshot_bytes: Callable[[], float] = lambda: 0.0,
-                 forward_path: tuple[str, str, str] | None = None) -> None:
+                 forward_path: tuple[str, str, str] | None = None,
+                 plaintext_bytes: Callable[[], float] = lambda: 0.0,
+                 sealed_open_failures: Callable[[], float] = lambda: 0.0) -> None:
         """`forward_path`: (model, path, reason) of the served model, reported as an info gauge."""
         self.registry = CollectorRegistry()
         self.requests = Counter("tenzro_requests", "HTTP requests by endpoint and status",
@@ -57,6 +72,12 @@ class NodeMetrics:
         snapshots = Gauge("tenzro_cached_snapshot_bytes", "Bytes of the cached state held in snapshots "
                           "(sliding-window tails, recurrent states)", registry=self.registry)
         snapshots.set_function(snapshot_bytes)
+        plaintext = Gauge("tenzro_cached_plaintext_bytes", "Bytes of the cached state held unsealed (the hot tier, "
+                          "besides the last working cache)", registry=self.registry)
+        plaintext.set_function(plaintext_bytes)
+        self.registry.register(_Counted([("tenzro_sealed_open_failures", "Sealed entries that failed "
+                                          "authentication when opened (dropped, and the request recomputed)",
+                                          sealed_open_failures)]))
         waiting = Gauge("tenzro_queue_waiting", "Requests waiting for the model", registry=self.registry)
         waiting.set_function(queue_waiting)
         if forward_path is not None:

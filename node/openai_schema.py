@@ -53,6 +53,9 @@ class CommonParams:
     return_token_ids: bool = False
     """An extension (as in vLLM): the response also carries the prompt's and the reply's token ids, so an
     agent can send ids back and never lose reuse to re-tokenisation."""
+    retain: bool = True
+    """`prompt_cache_retention` (OpenAI's field): "in_memory", the default, keeps this request's state for
+    the caller's reuse; "none", this node's value, keeps nothing of it after the reply."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +136,20 @@ def _seed(body: dict[str, Any]) -> int | None:
     return value
 
 
+RETENTION_VALUES = ("in_memory", "none")
+
+
+def _retain(body: dict[str, Any]) -> bool:
+    value = body.get("prompt_cache_retention")
+    if value is None:
+        return True
+    if value not in RETENTION_VALUES:
+        raise invalid_request("'prompt_cache_retention' must be \"in_memory\" (keep this request's state for "
+                              "your reuse, in memory only) or \"none\" (keep nothing after the reply)",
+                              param="prompt_cache_retention")
+    return bool(value == "in_memory")
+
+
 def _common(body: Any) -> CommonParams:
     if not isinstance(body, dict):
         raise invalid_request("the request body must be a JSON object")
@@ -179,6 +196,7 @@ def _common(body: Any) -> CommonParams:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body),
         return_token_ids=return_ids,
+        retain=_retain(body),
     )
 
 

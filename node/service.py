@@ -73,7 +73,7 @@ class ModelService:
         return RenderedChat(list(prompt), ())
 
     def request(self, caller: str, rendered: RenderedChat, params: CommonParams, limits: Limits,
-                prompt_param: str) -> GenerationRequest:
+                prompt_param: str, retain: bool = True) -> GenerationRequest:
         """Check the prompt against the context length and build the engine request."""
         prompt = rendered.ids
         context = self.loaded.context_length
@@ -98,4 +98,4 @@ class ModelService:
                                   seed=params.seed, stop=params.stop, presence_penalty=params.presence_penalty,
                                   frequency_penalty=params.frequency_penalty, logit_bias=params.logit_bias)
         return GenerationRequest(scope=Scope(caller=caller, model=self.model_id), prompt=prompt, params=sampling,
-                                 boundaries=rendered.boundaries)
+                                 boundaries=rendered.boundaries, retain=retain and params.retain)

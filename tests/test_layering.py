@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,3 +36,17 @@ def test_package_imports_only_what_its_layer_allows(package: str) -> None:
         if imported_roots(path) & FORBIDDEN[package]
     }
     assert offenders == {}
+
+
+METADATA_ONLY = ("cache/scope.py", "cache/budget.py", "cache/radix_tree.py", "cache/prefix_cache.py",
+                 "cache/sealing.py")
+"""The prefix index decides on metadata only: it cannot touch a tensor (issue 11, DESIGN.md)."""
+
+
+@pytest.mark.parametrize("module", METADATA_ONLY)
+def test_the_prefix_index_imports_no_tensor_library(module: str) -> None:
+    assert imported_roots(ROOT / module) & {"torch", "transformers", "numpy"} == set()
+    name = module.removesuffix(".py").replace("/", ".")
+    loaded = subprocess.run([sys.executable, "-c", f"import sys, {name}; print('torch' in sys.modules)"],
+                            cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "False"  # not even through what it imports

@@ -23,6 +23,7 @@ from node.engine.last_row import LastRow
 from node.engine.prediction import Logits, Prediction
 from node.engine.reuse_check import check_reuse
 from node.engine.synthetic import ARCHITECTURES, ensure_default_model
+from node.log_privacy import Safe
 
 log = logging.getLogger(__name__)
 
@@ -200,11 +201,11 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
         raise ModelLoadError(f"cannot load the model in {path}: {exc}") from exc
     last_row = LastRow.install(model)
     if last_row is not None and not _last_row_agrees(model, last_row):
-        log.warning("model %s: its last layer does not reduce to the last position; it runs in full", model_id)
+        log.warning("model %s: its last layer does not reduce to the last position; it runs in full", Safe(model_id))
         last_row = None
     decoder, why = _cpu_decoder(model) if target.type == "cpu" else (None, f"the model runs on {target.type}")
     path_taken = ForwardPath("native" if decoder is not None else "transformers", why)
-    log.info("model %s: %s forward (%s)", model_id, path_taken.name, why)
+    log.info("model %s: %s forward (%s)", Safe(model_id), Safe(path_taken.name), Safe(why))
     text_config = config.get_text_config(decoder=True)
     context = int(getattr(text_config, "max_position_embeddings", 0) or tokenizer.model_max_length)
     state: ModelStateAdapter | None = None
@@ -223,5 +224,5 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
             state, blocker = None, (f"resuming from stored state differs from one pass by "
                                     f"{check.relative_difference:.2e} of the largest logit")
     if blocker:
-        log.warning("model %s is served without reuse: %s", model_id, blocker)
+        log.warning("model %s is served without reuse: %s", Safe(model_id), Safe(blocker))
     return dataclasses.replace(loaded, state=state, reuse_blocker=blocker)

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from cache.adapters import Snapshot
-from cache.arena import Scope
+from cache.arena import Scope, SealedEntryError, StateArena
 from cache.prefix_cache import PrefixCache, StoreResult
 from cache.radix_tree import common_prefix_length
 from cache.snapshot_policy import SnapshotPolicy
@@ -32,6 +32,8 @@ class GenerationRequest:
     params: SamplingParams
     boundaries: tuple[int, ...] = ()
     """Token positions where messages of the rendered chat template start (snapshot candidates)."""
+    retain: bool = True
+    """Keep this request's state for reuse; False: nothing of it is stored or left hot after the reply."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,8 @@ class GenerationResult:
     """"stop" (end of sequence or a stop string), "length" (max_tokens) or "cancelled"."""
     queue_wait_s: float
     ttft_s: float
+    retained: bool = True
+    """The request's state was kept for reuse (False: retention none, nothing stored)."""
     matched_tokens: int = 0
     """Prompt tokens that agreed with this scope's stored tokens (at most all but one): what a node able to
     resume at any token would have reused. `cached_read_tokens` falls short of it only between snapshots."""
@@ -58,11 +62,28 @@ class Runner:
         self.loaded = loaded
         self.policy = policy or SnapshotPolicy()
         self.prefix_cache = prefix_cache if loaded.state is not None else None
+        self.arena: StateArena | None = None
         if self.prefix_cache is not None and loaded.state is not None:
-            self.prefix_cache.register_model(loaded.model_id, loaded.state)
+            assert isinstance(self.prefix_cache.arena, StateArena)
+            self.arena = self.prefix_cache.arena
+            self.arena.register_model(loaded.model_id, loaded.state)
+            self.prefix_cache.register_model(loaded.model_id, loaded.state.needs_snapshots)
         self.prefill_chunk = prefill_chunk
-        # The scope and tokens whose state the working buffers hold from the last request.
+        # The scope and tokens whose state the working buffers hold from the last request: the hot working cache.
         self._hot: tuple[Scope, tuple[int, ...]] | None = None
+        self._dirty = 0
+        """Rows of the working buffers written since they were last wiped."""
+
+    def sealing_state(self) -> dict[str, Any]:
+        """For `GET /v1/node`: whether stored state is sealed, how, and what the tiers hold now."""
+        arena = self.arena
+        if arena is None or arena.sealer is None:
+            return {"on": False, "reason": "reuse is off: nothing is stored" if arena is None else
+                    "started with --no-seal"}
+        return {"on": True, "cipher": "AES-256-GCM",
+                "keys": "one per scope (caller, model): HKDF-SHA256 of a boot master key held in memory only",
+                "master_key_locked": arena.sealer.master_locked, "open_threads": arena.sealer.threads,
+                **arena.describe()}
 
     @property
     def reuse_enabled(self) -> bool:
@@ -104,6 +125,7 @@ class Runner:
         cache, restored, matched = self._restore(scope, prompt, capacity=len(prompt))
         prediction, snapshots = self._prefill(prompt, restored, cache,
                                               self._snapshot_plan(prompt, (), restored, matched))
+        self._dirty = max(self._dirty, len(prompt))
         self._store(scope, prompt, cache, snapshots)
         return prediction.logits(), restored
 
@@ -121,28 +143,68 @@ class Runner:
         if self.prefix_cache is None:  # reuse off: still the working cache, which the CPU decoder writes in place
             return state.new_cache(capacity)[0], 0, 0
         # At least one prompt token is always computed: its logits choose the first output token.
-        lease = self.prefix_cache.acquire(scope, prompt, limit=len(prompt) - 1,
-                                          anywhere=not self._takes_snapshots)
-        try:
-            # The same scope's last request left its state in the working buffers: the part of the lease
-            # it covers needs no copy.
-            warm = min(common_prefix_length(hot[1], tuple(prompt)), lease.length) if hot and hot[0] == scope else 0
-            cache, adopted = state.new_cache(capacity, adopt=warm)
-            state.restore(cache, self.prefix_cache.restore_list(lease), skip=adopted, snapshot=lease.snapshot,
-                          position=lease.length)
-        finally:
-            self.prefix_cache.release(lease)
-        return cache, lease.length, lease.matched
+        for _ in range(2):
+            lease = self.prefix_cache.acquire(scope, prompt, limit=len(prompt) - 1,
+                                              anywhere=not self._takes_snapshots)
+            try:
+                # The same scope's last request left its state in the working buffers: the part of the lease
+                # it covers needs no copy.
+                warm = min(common_prefix_length(hot[1], tuple(prompt)), lease.length) if hot and hot[0] == scope else 0
+                cache, adopted = state.new_cache(capacity, adopt=warm)
+                assert self.arena is not None
+                self.arena.restore(state, cache, lease.spans, skip=adopted, snapshot=lease.snapshot,
+                                   position=lease.length)
+                return cache, lease.length, lease.matched
+            except SealedEntryError as exc:
+                # Altered, moved or opened under the wrong scope: dropped and counted; this request recomputes.
+                failed = exc.handles
+            finally:
+                self.prefix_cache.release(lease)
+            self.prefix_cache.discard(scope, failed)
+            hot = None
+        return state.new_cache(capacity)[0], 0, 0
 
     def _store(self, scope: Scope, tokens: list[int], cache: DynamicCache, snapshots: dict[int, Snapshot]
                ) -> StoreResult:
         if self.prefix_cache is None or self.loaded.state is None:
             return StoreResult(len(tokens), 0)
         state = self.loaded.state
+        state.materialize(cache)  # stored spans are cut from the buffers, which must hold every row
         result = self.prefix_cache.store(scope, tokens, lambda start, end: state.extract(cache, start, end),
                                          snapshots)
         self._hot = (scope, tuple(tokens))
         return result
+
+    def settle(self, stop: Callable[[], bool] = lambda: False) -> None:
+        """After a reply: zero plaintext that is no longer hot (working-buffer rows beyond the hot working
+        cache, state opened for the request), then seal cold state, yielding to a waiting request (`stop`)."""
+        state = self.loaded.state
+        if state is not None:
+            keep = len(self._hot[1]) if self._hot is not None else 0
+            state.wipe_pool(keep, self._dirty)
+            self._dirty = keep
+        if self.arena is not None:
+            self.arena.wipe_scratch()
+        if self.prefix_cache is not None:
+            self.prefix_cache.seal_cold(stop)
+
+    def drop_caller(self, caller: str) -> None:
+        """The caller's key was removed: its stored state is zeroed, its keys destroyed, its hot working cache
+        wiped."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_caller(caller)
+        if self._hot is not None and self._hot[0].caller == caller:
+            self._hot = None
+            self.settle()
+
+    def expire(self, ttl_of: Callable[[str], float | None]) -> None:
+        """Destroy the state of scopes unused for longer than their caller's time to live."""
+        if self.prefix_cache is None:
+            return
+        expired = self.prefix_cache.expire(ttl_of)
+        if self._hot is not None and self._hot[0] in expired:
+            self._hot = None
+            self.settle()
 
     @torch.inference_mode()
     def generate(self, request: GenerationRequest, emit: Callable[[str], Any],
@@ -182,6 +244,12 @@ class Runner:
         if tail:
             emit(tail)
         fed = prompt + output
+        self._dirty = max(self._dirty, len(fed))
+        if not request.retain:
+            return GenerationResult(prompt_tokens=len(prompt), cached_read_tokens=restored, cached_write_tokens=0,
+                                    output_ids=output, text=detok.text, finish_reason=finish_reason,
+                                    queue_wait_s=queue_wait_s, ttft_s=ttft, retained=False,
+                                    matched_tokens=min(max(matched, restored), len(prompt) - 1))
         if output and self.prefix_cache is not None:
             # The last token was sampled but not yet run: run it so the stored state ends with the reply.
             self.loaded.extend([output[-1]], len(fed) - 1, cache)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from node.engine.runner import GenerationRequest, GenerationResult, Runner
+from node.log_privacy import Safe
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,18 @@ class Job:
             self.withdraw(self)
 
 
+TICK_S = 1.0
+"""How often an idle worker expires state past its time to live."""
+
+
 class Scheduler:
     def __init__(self, runner: Runner, max_queue: int) -> None:
         self.runner = runner
         self.max_queue = max_queue
+        self.ttl_of: Callable[[str], float | None] = lambda caller: None
+        """A caller's time to live for stored state (seconds, None: no limit), from the node's config."""
         self._queues: OrderedDict[str, deque[Job]] = OrderedDict()
+        self._chores: deque[Callable[[], None]] = deque()
         self._waiting = 0
         self._cond = threading.Condition()
         self._stopping = False
@@ -134,6 +142,12 @@ class Scheduler:
             self._cond.notify()
         return job
 
+    def chore(self, work: Callable[[], None]) -> None:
+        """Run `work` on the worker thread, which owns the model's state, before the next job."""
+        with self._cond:
+            self._chores.append(work)
+            self._cond.notify()
+
     def _withdraw(self, job: Job) -> None:
         with self._cond:
             queue = self._queues.get(job.caller)
@@ -146,20 +160,37 @@ class Scheduler:
         job.post(Failed(asyncio.CancelledError()))
 
     def _next_job(self) -> Job | None:
-        with self._cond:
-            while not self._queues and not self._stopping:
-                self._cond.wait()
-            if self._stopping:
-                return None
-            caller, queue = next(iter(self._queues.items()))
-            job = queue.popleft()
-            # Round-robin: the caller goes to the back of the rotation, or leaves it when drained.
-            del self._queues[caller]
-            if queue:
-                self._queues[caller] = queue
-            self._waiting -= 1
-            job.withdraw = None  # running now: cancellation stops it at the next decode step
-            return job
+        """The next job, running chores and idle housekeeping while there is none; None when stopping."""
+        while True:
+            with self._cond:
+                if not self._queues and not self._chores and not self._stopping:
+                    self._cond.wait(TICK_S)
+                if self._stopping:
+                    return None
+                chores = list(self._chores)
+                self._chores.clear()
+                job = None
+                if self._queues and not chores:
+                    caller, queue = next(iter(self._queues.items()))
+                    job = queue.popleft()
+                    # Round-robin: the caller goes to the back of the rotation, or leaves it when drained.
+                    del self._queues[caller]
+                    if queue:
+                        self._queues[caller] = queue
+                    self._waiting -= 1
+                    job.withdraw = None  # running now: cancellation stops it at the next decode step
+            if job is not None:
+                return job
+            for chore in chores:
+                self._guarded(chore)
+            self._guarded(lambda: self.runner.expire(self.ttl_of))
+
+    def _guarded(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - housekeeping must not stop the worker
+            log.error("housekeeping failed: %s\n%s", Safe(type(exc).__name__),
+                      Safe("".join(traceback.format_tb(exc.__traceback__))))
 
     def _work(self) -> None:
         while (job := self._next_job()) is not None:
@@ -172,11 +203,13 @@ class Scheduler:
                                               cancelled=job.cancel_event.is_set, queue_wait_s=wait)
             except Exception as exc:  # noqa: BLE001 - reported to the waiting request, worker keeps serving
                 # Frames only: an exception's message may quote token ids.
-                log.error("generation failed: %s\n%s", type(exc).__name__,
-                          "".join(traceback.format_tb(exc.__traceback__)))
+                log.error("generation failed: %s\n%s", Safe(type(exc).__name__),
+                          Safe("".join(traceback.format_tb(exc.__traceback__))))
                 job.post(Failed(exc))
-                continue
-            job.post(Finished(result))
+            else:
+                job.post(Finished(result))
+            # After the reply: plaintext no longer hot is zeroed and cold state sealed; a waiting job goes first.
+            self._guarded(lambda: self.runner.settle(stop=lambda: self._waiting > 0))
 
     def describe(self) -> dict[str, Any]:
         return {"waiting": self._waiting, "max_queue": self.max_queue}

@@ -8,9 +8,9 @@ import torch
 from transformers import LlamaConfig
 
 from cache.adapters import KVPiece, ModelStateAdapter, SpanState
-from cache.arena import Scope
+from cache.arena import Scope, StateArena
 from cache.budget import CacheBudget
-from cache.prefix_cache import PrefixCache
+from cache.prefix_cache import PrefixCache, ReuseLease
 from cache.state_spec import model_state_specs
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 4
@@ -21,9 +21,23 @@ ALICE, BOB = Scope("alice", "m"), Scope("bob", "m")
 def make_cache(node_tokens: int = 10_000, caller_tokens: int = 10_000) -> PrefixCache:
     config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                          num_hidden_layers=LAYERS, intermediate_size=8, vocab_size=100)
-    cache = PrefixCache(CacheBudget(node_tokens * BYTES_PER_TOKEN, caller_tokens * BYTES_PER_TOKEN, "lru"))
-    cache.register_model("m", ModelStateAdapter(model_state_specs(config), config))
+    adapter = ModelStateAdapter(model_state_specs(config), config)
+    arena = StateArena()
+    arena.register_model("m", adapter)
+    cache = PrefixCache(CacheBudget(node_tokens * BYTES_PER_TOKEN, caller_tokens * BYTES_PER_TOKEN, "lru"), arena)
+    cache.register_model("m", adapter.needs_snapshots)
     return cache
+
+
+def restored_keys(cache: PrefixCache, lease: ReuseLease) -> list[float]:
+    """Layer 0's first key element of every restored token, through the arena into a working cache."""
+    arena = cache.arena
+    assert isinstance(arena, StateArena)
+    adapter = arena._adapters["m"]
+    work, _ = adapter.new_cache(64)
+    arena.restore(adapter, work, lease.spans, 0, lease.snapshot, lease.length)
+    adapter.materialize(work)
+    return work.layers[0].keys[0, 0, :, 0].tolist()
 
 
 def state_of(tokens: list[int]) -> Callable[[int, int], SpanState]:
@@ -57,9 +71,7 @@ def test_lease_restores_the_right_tokens_across_spans() -> None:
     store(cache, ALICE, list(range(5)) + [50, 51, 52])
     lease = cache.acquire(ALICE, list(range(5)) + [50, 51, 99], limit=100, anywhere=True)
     assert lease.length == 7
-    pieces = cache.restore_list(lease)
-    restored = torch.cat([state[0].keys[:, :, :take] for state, take in pieces], dim=2)
-    assert restored[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 50, 51]
+    assert restored_keys(cache, lease) == [0, 1, 2, 3, 4, 50, 51]
     cache.release(lease)
     assert cache.acquire(ALICE, list(range(10)), limit=9, anywhere=True).length == 9
 

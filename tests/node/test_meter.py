@@ -108,7 +108,7 @@ async def serve(aiohttp_client, tmp_path: Path, loaded, runner_class: type[Runne
     key = add_key(config_path, "alice")
     runner = runner_class(loaded, None)
     service = ModelService(loaded, runner, Scheduler(runner, 4))
-    app = create_app(load_config(config_path), config_path, service, None, paths(tmp_path))
+    app = create_app(load_config(config_path), config_path, service, paths(tmp_path))
     return await aiohttp_client(app), {"Authorization": f"Bearer {key}"}
 
 

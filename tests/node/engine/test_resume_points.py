@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache.arena import Scope
+from cache.arena import Scope, new_prefix_cache
 from cache.budget import CacheBudget
-from cache.prefix_cache import PrefixCache
 from cache.snapshot_policy import SnapshotPolicy
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, Runner
@@ -38,7 +37,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def runner(loaded: LoadedModel, interval: int = 0) -> Runner:
-    return Runner(loaded, PrefixCache(CacheBudget(1 << 32, 1 << 32)), prefill_chunk=48,
+    return Runner(loaded, new_prefix_cache(CacheBudget(1 << 32, 1 << 32)), prefill_chunk=48,
                   policy=SnapshotPolicy(interval=interval))
 
 

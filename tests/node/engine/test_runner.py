@@ -8,9 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from cache.arena import Scope
+from cache.arena import Scope, new_prefix_cache
 from cache.budget import CacheBudget
-from cache.prefix_cache import PrefixCache
 from node.engine.cpu_kernels import NativeLayer
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, Runner
@@ -39,7 +38,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def fresh_runner(loaded: LoadedModel) -> Runner:
-    return Runner(loaded, PrefixCache(CacheBudget(1 << 30, 1 << 30)), prefill_chunk=64)
+    return Runner(loaded, new_prefix_cache(CacheBudget(1 << 30, 1 << 30)), prefill_chunk=64)
 
 
 def test_resume_at_the_end_of_a_cached_prompt(loaded: LoadedModel) -> None:
@@ -166,7 +165,7 @@ def test_cached_writes_count_the_whole_new_span_when_snapshots_cut_it(tmp_path: 
     from node.engine.synthetic import init_model
 
     hybrid = load_model("h", init_model("bamba", tmp_path / "h", size="small"))
-    run = Runner(hybrid, PrefixCache(CacheBudget(1 << 30, 1 << 30)))
+    run = Runner(hybrid, new_prefix_cache(CacheBudget(1 << 30, 1 << 30)))
     prompt = tokens(15, 120)
     first = run.generate(GenerationRequest(Scope("c", "h"), prompt, SamplingParams(4, 0.0), boundaries=(40, 90)),
                          emit=lambda _: None, cancelled=lambda: False)

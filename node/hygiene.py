@@ -1,0 +1,228 @@
+"""Process hygiene at start: no core dumps, not dumpable, memory locked, and a policy that can require more.
+
+Prompts, completions and the keys that seal stored state live in this process's memory. A core dump, a
+debugger attaching as the same user, or a page written to swap would each put them on disk or in another
+process. `apply_hygiene` closes what the process can close for itself and reports what it could not; a
+`HygienePolicy` (YAML under `policies/`) says which of those a node refuses to serve without.
+
+Linux only: on another system nothing but the core-size limit is changed, and the state says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import resource
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from policies import policy_file
+
+# From <sys/mman.h> and <linux/prctl.h>.
+MCL_CURRENT = 1
+MCL_FUTURE = 2
+MADV_DONTDUMP = 16
+PR_GET_DUMPABLE = 3
+PR_SET_DUMPABLE = 4
+CAP_IPC_LOCK = 14
+LOCK_ALL = "mlockall(MCL_CURRENT|MCL_FUTURE)"
+SHIPPED_POLICIES = ("confidential", "standard")
+REQUIREMENTS = ("memory_locked", "no_swap", "sealing")
+
+
+class HygienePolicyError(ValueError):
+    """A hygiene policy file is malformed or missing; the message names the key or file to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class HygieneState:
+    """What `apply_hygiene` achieved; served under `GET /v1/node` so a caller can see it."""
+
+    core_dumps_off: bool  # RLIMIT_CORE soft and hard are both 0
+    dumpable: bool  # prctl(PR_GET_DUMPABLE) after the change; False keeps same-user debuggers out too
+    memory_locked: bool
+    memory_lock_reason: str  # LOCK_ALL when locked, else why not
+    swap_active: tuple[str, ...] | None  # devices and files in /proc/swaps; None when it cannot be read
+    dump_exclusion: bool  # madvise(MADV_DONTDUMP) works here, so `exclude_from_dumps` can mark buffers
+
+    def as_json(self) -> dict[str, Any]:
+        return {"core_dumps_off": self.core_dumps_off, "dumpable": self.dumpable,
+                "memory_locked": self.memory_locked, "memory_lock_reason": self.memory_lock_reason,
+                "swap_active": None if self.swap_active is None else list(self.swap_active),
+                "dump_exclusion": self.dump_exclusion}
+
+
+@lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _error_text() -> str:
+    number = ctypes.get_errno()
+    return os.strerror(number) if number else "unknown error"
+
+
+def _size_text(limit: int) -> str:
+    if limit == resource.RLIM_INFINITY:
+        return "unlimited"
+    for unit, name in ((1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB")):
+        if limit >= unit and limit % unit == 0:
+            return f"{limit // unit} {name}"
+    return f"{limit} bytes"
+
+
+def _has_ipc_lock() -> bool:
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+    return False
+
+
+def parse_swaps(text: str) -> tuple[str, ...]:
+    """The names in a /proc/swaps text; the kernel writes a space in a name as `\\040`."""
+    return tuple(line.split()[0].replace("\\040", " ") for line in text.splitlines()[1:] if line.strip())
+
+
+def _whole_pages(address: int, nbytes: int) -> tuple[int, int] | None:
+    """(start, length) of the whole pages inside [address, address + nbytes), None when there are none."""
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    return (start, end - start) if end > start else None
+
+
+def exclude_from_dumps(address: int, nbytes: int) -> bool:
+    """Leave the whole pages of a buffer out of any core dump, should dumps ever be turned back on.
+
+    Only whole pages: the partial pages at either end may hold other objects, which stay dumpable."""
+    pages = _whole_pages(address, nbytes)
+    if sys.platform != "linux" or pages is None:
+        return False
+    return _libc().madvise(ctypes.c_void_p(pages[0]), ctypes.c_size_t(pages[1]), ctypes.c_int(MADV_DONTDUMP)) == 0
+
+
+def lock_region(address: int, nbytes: int) -> bool:
+    """Keep the whole pages of a buffer out of swap (for when `mlockall` was not possible)."""
+    pages = _whole_pages(address, nbytes)
+    if sys.platform != "linux" or pages is None:
+        return False
+    return _libc().mlock(ctypes.c_void_p(pages[0]), ctypes.c_size_t(pages[1])) == 0
+
+
+def _dump_exclusion_works() -> bool:
+    with mmap.mmap(-1, mmap.PAGESIZE) as page:
+        anchor = ctypes.c_char.from_buffer(page)
+        try:
+            return exclude_from_dumps(ctypes.addressof(anchor), mmap.PAGESIZE)
+        finally:
+            del anchor  # the mapping cannot close while a ctypes object points into it
+
+
+def _lock_all() -> tuple[bool, str]:
+    """mlockall, attempted only where it cannot break later allocations.
+
+    Under MCL_FUTURE every later mapping counts against RLIMIT_MEMLOCK unless the process holds
+    CAP_IPC_LOCK: with a finite limit, loading the model's weights would fail part way rather than now."""
+    limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    capable = _has_ipc_lock()
+    if not capable and limit != resource.RLIM_INFINITY:
+        return False, (f"RLIMIT_MEMLOCK is {_size_text(limit)} and no CAP_IPC_LOCK (mlockall not attempted: under "
+                       f"MCL_FUTURE, allocations past the limit would fail later)")
+    if _libc().mlockall(ctypes.c_int(MCL_CURRENT | MCL_FUTURE)) == 0:
+        return True, LOCK_ALL
+    capability = "CAP_IPC_LOCK held" if capable else "no CAP_IPC_LOCK"
+    return False, f"{LOCK_ALL} failed ({_error_text()}; RLIMIT_MEMLOCK {_size_text(limit)}; {capability})"
+
+
+def _read_swaps() -> tuple[str, ...] | None:
+    try:
+        return parse_swaps(Path("/proc/swaps").read_text())
+    except OSError:
+        return None
+
+
+def apply_hygiene(lock_memory: bool = True) -> HygieneState:
+    """Turn core dumps off, make the process undumpable, lock its memory; report, never raise.
+
+    Call it first, before the model loads: `MCL_FUTURE` then locks the weights and the cache as they are
+    allocated, and nothing sensitive exists yet that a dump taken in between could hold."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # lowering a limit is always allowed
+    core_dumps_off = resource.getrlimit(resource.RLIMIT_CORE) == (0, 0)
+    if sys.platform != "linux":
+        return HygieneState(core_dumps_off=core_dumps_off, dumpable=True, memory_locked=False,
+                            memory_lock_reason=f"not Linux ({sys.platform})", swap_active=None,
+                            dump_exclusion=False)
+    libc = _libc()
+    zero = ctypes.c_ulong(0)
+    libc.prctl(ctypes.c_int(PR_SET_DUMPABLE), zero, zero, zero, zero)
+    dumpable = libc.prctl(ctypes.c_int(PR_GET_DUMPABLE), zero, zero, zero, zero) != 0
+    locked, reason = _lock_all() if lock_memory else (False, "not requested")
+    return HygieneState(core_dumps_off=core_dumps_off, dumpable=dumpable, memory_locked=locked,
+                        memory_lock_reason=reason, swap_active=_read_swaps(), dump_exclusion=_dump_exclusion_works())
+
+
+@dataclass(frozen=True, slots=True)
+class HygienePolicy:
+    """Which of the hygiene a node must have achieved before it serves."""
+
+    name: str
+    require_memory_locked: bool
+    require_no_swap: bool
+    require_sealing: bool
+
+    def missing(self, state: HygieneState, sealing: bool) -> list[str]:
+        """One sentence per requirement not met: what is missing and how to fix it; empty when all are."""
+        sentences = []
+        if self.require_memory_locked and not state.memory_locked:
+            sentences.append(f"memory is not locked: {state.memory_lock_reason}: run as root (CAP_IPC_LOCK) or "
+                             f"raise the limit with `ulimit -l unlimited`")
+        if self.require_no_swap and state.swap_active is None:
+            sentences.append("swap cannot be checked: /proc/swaps is not readable on this system")
+        elif self.require_no_swap and state.swap_active:
+            sentences.append(f"swap is active ({', '.join(state.swap_active)}): turn it off with `swapoff -a`")
+        if self.require_sealing and not sealing:
+            sentences.append("stored prompt state is not sealed: serve without --no-seal, or with --no-reuse so "
+                             "that no prompt state is stored")
+        return sentences
+
+
+def _mapping(raw: Any, where: str, allowed: tuple[str, ...], name: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise HygienePolicyError(f"'{where}' in hygiene policy '{name}' must be a mapping")
+    unknown = set(raw) - set(allowed)
+    if unknown:
+        raise HygienePolicyError(f"unknown key(s) in '{where}' of hygiene policy '{name}': "
+                                 f"{', '.join(sorted(map(str, unknown)))}; allowed: {', '.join(allowed)}")
+    return raw
+
+
+def parse_hygiene_policy(raw: Any, name: str) -> HygienePolicy:
+    """Every requirement must be written out: a forgotten key is an error, not a silent `false`."""
+    require = _mapping(_mapping(raw, "policy", ("require",), name).get("require"), "require", REQUIREMENTS, name)
+    for key in REQUIREMENTS:
+        if not isinstance(require.get(key), bool):
+            raise HygienePolicyError(f"'require.{key}' in hygiene policy '{name}' must be true or false")
+    return HygienePolicy(name=name, require_memory_locked=require["memory_locked"],
+                         require_no_swap=require["no_swap"], require_sealing=require["sealing"])
+
+
+def load_hygiene_policy(name_or_path: str) -> HygienePolicy:
+    """A shipped policy by name (`confidential`, `standard`) or a policy file by path."""
+    path = policy_file(f"{name_or_path}.yaml") if name_or_path in SHIPPED_POLICIES else Path(name_or_path)
+    if not path.is_file():
+        raise HygienePolicyError(f"no hygiene policy '{name_or_path}': name one of "
+                                 f"{', '.join(SHIPPED_POLICIES)} or give the path of a YAML file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise HygienePolicyError(f"{path} is not valid YAML: {exc}") from exc
+    return parse_hygiene_policy(raw, path.stem)

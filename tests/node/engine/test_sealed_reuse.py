@@ -1,0 +1,104 @@
+"""Reuse from sealed state against the model itself: a sealed hit gives reuse-off output; a sealed entry that
+fails authentication is dropped and recomputed; retention none and a removed caller leave no state behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache.arena import Scope, StateArena, new_prefix_cache
+from cache.budget import CacheBudget
+from node.engine.loader import LoadedModel, load_model
+from node.engine.runner import GenerationRequest, Runner
+from node.engine.sampling import SamplingParams
+from node.engine.synthetic import init_model
+
+ALICE, BOB = Scope("alice", "m"), Scope("bob", "m")
+
+
+@pytest.fixture(scope="module", params=["dense", "granite-moe-hybrid"])
+def loaded(request: pytest.FixtureRequest, small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> LoadedModel:
+    if request.param == "dense":
+        return load_model("m", small_model_dir)
+    return load_model("m", init_model(request.param, tmp_path_factory.mktemp("hybrid") / "m", size="small"))
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(100, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def sealed_runner(loaded: LoadedModel) -> Runner:
+    return Runner(loaded, new_prefix_cache(CacheBudget(1 << 30, 1 << 30)), prefill_chunk=64)
+
+
+def run(runner: Runner, scope: Scope, prompt: list[int], retain: bool = True, boundaries: tuple[int, ...] = ()
+        ) -> tuple[list[int], int, int]:
+    """(output ids, cached reads, cached writes); settles after the reply as the scheduler does."""
+    result = runner.generate(GenerationRequest(scope, prompt, SamplingParams(8, 0.0), boundaries, retain),
+                             emit=lambda _: None, cancelled=lambda: False)
+    runner.settle()
+    return result.output_ids, result.cached_read_tokens, result.cached_write_tokens
+
+
+def arena_of(runner: Runner) -> StateArena:
+    assert runner.arena is not None
+    return runner.arena
+
+
+def test_a_sealed_hit_equals_reuse_off(loaded: LoadedModel) -> None:
+    sealed, plain = sealed_runner(loaded), Runner(loaded, None)
+    history = tokens(1, 150)
+    first, _, written = run(sealed, ALICE, history, boundaries=(60,))
+    assert written == 150
+    arena = arena_of(sealed)
+    assert arena.hot_bytes == 0 and arena.sealed_bytes == arena.bytes_total > 0
+    run(sealed, BOB, tokens(2, 70))  # bob's request takes the working buffers: alice's state is only sealed now
+    follow = history + first + tokens(3, 20)
+    got, restored, _ = run(sealed, ALICE, follow)
+    assert restored > 0
+    assert got == run(plain, ALICE, follow)[0]
+
+
+def test_an_entry_that_fails_to_open_is_dropped_counted_and_recomputed(loaded: LoadedModel) -> None:
+    sealed, plain = sealed_runner(loaded), Runner(loaded, None)
+    history = tokens(4, 120)
+    run(sealed, ALICE, history, boundaries=(60,))
+    run(sealed, BOB, tokens(5, 50))
+    arena = arena_of(sealed)
+    for entry in arena._entries.values():
+        if entry.scope == ALICE and entry.span.sealed is not None:
+            entry.span.sealed.blob[-1] ^= 1  # every tag of alice's spans is wrong now
+    follow = history + tokens(6, 10)
+    got, restored, _ = run(sealed, ALICE, follow)
+    assert restored == 0 and arena.open_failures >= 1
+    assert got == run(plain, ALICE, follow)[0]
+
+
+def test_retention_none_stores_nothing_and_leaves_no_working_state(loaded: LoadedModel) -> None:
+    sealed = sealed_runner(loaded)
+    prompt = tokens(7, 100)
+    _, _, written = run(sealed, ALICE, prompt, retain=False)
+    arena = arena_of(sealed)
+    assert written == 0 and len(arena) == 0
+    assert loaded.state is not None
+    pool = loaded.state._pool._buffers
+    assert pool and all(not buffer[:, :, :108].any() for buffer in pool.values())  # the rows it wrote, wiped
+    assert run(sealed, ALICE, prompt)[1] == 0
+
+
+def test_a_removed_caller_leaves_zeros_and_no_key(loaded: LoadedModel) -> None:
+    sealed = sealed_runner(loaded)
+    run(sealed, ALICE, tokens(8, 90))
+    arena = arena_of(sealed)
+    blobs = [entry.span.sealed.blob for entry in arena._entries.values() if entry.span.sealed is not None]
+    assert blobs and all(any(blob) for blob in blobs)
+    assert loaded.state is not None
+    pool = loaded.state._pool._buffers
+    assert all(buffer[:, :, :98].any() for buffer in pool.values())  # alice's working cache is hot
+    sealed.drop_caller("alice")
+    assert all(not any(blob) for blob in blobs) and len(arena) == 0
+    assert arena.sealer is not None and not arena.sealer.has_key(ALICE)
+    assert all(not buffer[:, :, :98].any() for buffer in pool.values())
