@@ -261,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     reuse.add_argument("--device", help="device of the local node")
     reuse.set_defaults(func=_bench_reuse)
 
+    from node.bench_seal import add_seal_bench
+
+    add_seal_bench(bench)
+
     agent = bench.add_parser("agent", help="an agent workload: reused tokens and TTFT per reuse policy")
     agent.add_argument("--url", help="measure this OpenAI-compatible server instead of local nodes (one mode)")
     agent.add_argument("--model", default="hybrid",

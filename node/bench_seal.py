@@ -1,0 +1,207 @@
+"""`tenzro bench seal`: how fast stored state seals and opens, and what sealing costs a caller's time to first token.
+
+Two parts, one run. First the cipher on state-shaped messages (one head's `BLOCK_TOKENS` tokens each) through
+the node's own `Sealer`, on one thread and on all cores. Then a local node on the default model, two callers:
+per length and run, caller A's miss (a cold prompt), then caller B's short request (A's state is now sealed and
+out of the working buffers), A's sealed hit on the same prefix, and A's hot hit right after it. The goals of
+issue 11 are checked and printed with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from node.bench import REQUEST_TIMEOUT_S, BenchError, Client, LocalNode, PromptSource, api_base, progress, write_report
+
+GIB = 1024**3
+NEW_TOKENS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class CipherRow:
+    operation: str
+    one_core_gib_s: float
+    all_cores_gib_s: float
+    cores: int
+
+    @property
+    def speedup(self) -> float:
+        return self.all_cores_gib_s / self.one_core_gib_s
+
+
+@dataclass(frozen=True, slots=True)
+class TtftRow:
+    prompt_tokens: int
+    miss_ms: float
+    sealed_ms: float
+    hot_ms: float
+    sealed_cached_tokens: int
+    opened_mib: float
+    open_ms_at_all_cores: float
+    """The time to open the sealed hit's bytes at the measured all-core rate."""
+
+    @property
+    def miss_over_sealed(self) -> float:
+        return self.miss_ms / self.sealed_ms
+
+    @property
+    def sealed_extra_over_open(self) -> float:
+        """(sealed - hot) / open time: at most 1.2 when the sealed hit makes no hidden copies."""
+        return (self.sealed_ms - self.hot_ms) / self.open_ms_at_all_cores
+
+
+def cipher_rates(total_mib: int, runs: int) -> list[CipherRow]:
+    """Seal and open `total_mib` of 256 KiB messages with the node's Sealer, one thread then all cores."""
+    from cache.arena import BLOCK_TOKENS
+    from cache.scope import Scope
+    from cache.sealing import TAG_BYTES, Place, Sealer
+
+    message = BLOCK_TOKENS * 64 * 4
+    count = max(1, total_mib * 1024 * 1024 // message)
+    plain = [bytearray(os.urandom(message)) for _ in range(count)]
+    opened = [bytearray(message) for _ in range(count)]
+    sealed = bytearray(count * (message + TAG_BYTES))
+    cores = len(os.sched_getaffinity(0))
+    scope, place = Scope("bench", "bench"), Place(1, 0, BLOCK_TOKENS, "span")
+    rates: dict[tuple[str, int], float] = {}
+    for threads in (1, cores):
+        sealer = Sealer(threads)
+        nonces: list[bytes] = []
+        seal_s, open_s = [], []
+        for _ in range(runs + 1):  # the first of each is a warm-up
+            started = time.perf_counter()
+            nonces = sealer.seal(scope, place, plain, sealed)
+            seal_s.append(time.perf_counter() - started)
+            jobs = sealer.open_jobs(scope, place, nonces, sealed, opened)
+            started = time.perf_counter()
+            sealer.run_open(jobs)
+            open_s.append(time.perf_counter() - started)
+        size = count * message / GIB
+        rates[("seal", threads)] = size / statistics.median(seal_s[1:])
+        rates[("open", threads)] = size / statistics.median(open_s[1:])
+        if opened != plain:
+            raise BenchError("an opened message differs from what was sealed")
+    return [CipherRow(op, rates[(op, 1)], rates[(op, cores)], cores) for op in ("seal", "open")]
+
+
+async def _json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with session.get(url) as response:
+        return dict(await response.json())
+
+
+async def _ttfts(node: LocalNode, key_b: str, lengths: tuple[int, ...], runs: int, open_gib_s: float,
+                 seed: int) -> tuple[list[TtftRow], list[dict[str, Any]]]:
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await node.wait_healthy(session)
+        a = Client(session, api_base(node.root), node.api_key)
+        b = Client(session, api_base(node.root), key_b)
+        a.model = b.model = await a.first_model()
+        source = PromptSource(seed)
+        before = (await _json(session, node.root + "/v1/node"))["sealing"]["bytes"]
+        stored = source.prefix(256)
+        await a.complete(stored)  # untimed: warms the model, and measures the bytes one token's state takes
+        per_token = ((await _json(session, node.root + "/v1/node"))["sealing"]["bytes"] - before) / (len(stored) + 1)
+        samples: list[dict[str, Any]] = []
+        rows = []
+        for length in lengths:
+            times: dict[str, list[float]] = {"miss": [], "sealed": [], "hot": []}
+            cached = []
+            for run in range(runs):
+                prefix = source.prefix(length - NEW_TOKENS)
+                miss = await a.complete(prefix + source.suffix(NEW_TOKENS))
+                await b.complete(source.prefix(64))  # another caller: A's state is sealed, off the buffers
+                sealed = await a.complete(prefix + source.suffix(NEW_TOKENS))
+                hot = await a.complete(prefix + source.suffix(NEW_TOKENS))
+                for kind, timing in (("miss", miss), ("sealed", sealed), ("hot", hot)):
+                    times[kind].append(timing.ttft_s * 1000.0)
+                    samples.append({"length": length, "run": run, "kind": kind, "ttft_ms": timing.ttft_s * 1000.0,
+                                    "cached_tokens": timing.cached_tokens})
+                cached.append(sealed.cached_tokens or 0)
+                progress(f"bench seal: {length} tokens, run {run + 1}/{runs}: miss {miss.ttft_s * 1000:.1f} ms, "
+                         f"sealed {sealed.ttft_s * 1000:.1f} ms, hot {hot.ttft_s * 1000:.1f} ms")
+            opened = statistics.median(cached) * per_token
+            rows.append(TtftRow(length, statistics.median(times["miss"]), statistics.median(times["sealed"]),
+                                statistics.median(times["hot"]), int(statistics.median(cached)), opened / 2**20,
+                                opened / (open_gib_s * GIB) * 1000.0))
+        return rows, samples
+
+
+def format_report(ciphers: list[CipherRow], rows: list[TtftRow]) -> str:
+    lines = [f"{'cipher':<8}{'1 core GiB/s':>14}{'all cores GiB/s':>17}{'cores':>7}{'speedup':>9}"]
+    lines += [f"{c.operation:<8}{c.one_core_gib_s:>14.2f}{c.all_cores_gib_s:>17.2f}{c.cores:>7}{c.speedup:>9.2f}"
+              for c in ciphers]
+    lines.append("")
+    lines.append(f"{'tokens':>7}{'miss ms':>10}{'sealed ms':>11}{'hot ms':>9}{'miss/sealed':>13}{'opened MiB':>12}"
+                 f"{'open ms':>9}{'(sealed-hot)/open':>19}")
+    lines += [f"{r.prompt_tokens:>7}{r.miss_ms:>10.1f}{r.sealed_ms:>11.1f}{r.hot_ms:>9.1f}{r.miss_over_sealed:>13.1f}"
+              f"{r.opened_mib:>12.1f}{r.open_ms_at_all_cores:>9.1f}{r.sealed_extra_over_open:>19.2f}" for r in rows]
+    return "\n".join(lines)
+
+
+def goals(ciphers: list[CipherRow], rows: list[TtftRow]) -> list[tuple[str, bool]]:
+    opening = next(c for c in ciphers if c.operation == "open")
+    checks = [(f"opening on all cores is at least 1.7x one core ({opening.speedup:.2f}x)", opening.speedup >= 1.7)]
+    for row in rows:
+        if row.prompt_tokens >= 4096:
+            checks.append((f"{row.prompt_tokens} tokens: a sealed hit at least 10x faster than a miss "
+                           f"({row.miss_over_sealed:.1f}x)", row.miss_over_sealed >= 10))
+        checks.append((f"{row.prompt_tokens} tokens: sealed - hot within the open time + 20% "
+                       f"({row.sealed_ms - row.hot_ms:.1f} ms against {row.open_ms_at_all_cores * 1.2:.1f} ms)",
+                       row.sealed_ms - row.hot_ms <= row.open_ms_at_all_cores * 1.2))
+    return checks
+
+
+def run_seal_bench(args: argparse.Namespace) -> int:
+    lengths = tuple(int(part) for part in args.lengths.split(","))
+    try:
+        progress("bench seal: cipher rates")
+        ciphers = cipher_rates(args.cipher_mib, args.runs)
+        open_rate = next(c for c in ciphers if c.operation == "open").all_cores_gib_s
+        with tempfile.TemporaryDirectory(prefix="tenzro-bench-") as workdir:
+            node = LocalNode(Path(workdir), args.model, args.threads, args.device)
+            try:
+                node.start()
+                key_b = node.add_key("other")
+                rows, samples = asyncio.run(_ttfts(node, key_b, lengths, args.runs, open_rate, args.seed))
+            finally:
+                node.stop()
+    except (BenchError, aiohttp.ClientError, TimeoutError) as exc:
+        print(f"tenzro: error: {str(exc) or type(exc).__name__}", file=sys.stderr)
+        return 2
+    print(format_report(ciphers, rows))
+    checks = goals(ciphers, rows)
+    for text, met in checks:
+        print(f"  [{'met' if met else 'NOT MET'}] {text}")
+    write_report(Path(args.out), {
+        "ciphers": [{**asdict(c), "speedup": c.speedup} for c in ciphers],
+        "rows": [{**asdict(r), "miss_over_sealed": r.miss_over_sealed,
+                  "sealed_extra_over_open": r.sealed_extra_over_open} for r in rows],
+        "goals": [{"goal": text, "met": met} for text, met in checks], "samples": samples})
+    return 0
+
+
+def add_seal_bench(bench: Any) -> None:
+    seal = bench.add_parser("seal", help="seal and open GiB/s; time to first token of hot, sealed and missed "
+                            "prompts")
+    seal.add_argument("--model", default="default", help="model dir or 'default' for the local node")
+    seal.add_argument("--threads", type=int, default=1, help="torch threads of the local node")
+    seal.add_argument("--lengths", default="1024,4096,8191", help="prompt tokens (8191: 8k with the one output "
+                      "token in the default model's context)")
+    seal.add_argument("--runs", type=int, default=3)
+    seal.add_argument("--cipher-mib", type=int, default=256, help="MiB sealed and opened per cipher run")
+    seal.add_argument("--seed", type=int, default=0)
+    seal.add_argument("--device", help="device of the local node")
+    seal.add_argument("--out", default="bench-results/seal.json")
+    seal.set_defaults(func=run_seal_bench)
