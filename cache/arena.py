@@ -33,6 +33,8 @@ Payload = SpanState | Snapshot
 BLOCK_TOKENS = 1024
 """Tokens of one head in one sealed message: 256 KiB at head dim 64 in float32, large enough that the
 per-message cost is small, small enough that a restore has many messages to spread over the cores."""
+SEAL_BATCH = 32
+"""Messages sealed between two looks for a waiting request: 8 MiB, about a millisecond."""
 
 
 class SealedEntryError(SealError):
@@ -351,28 +353,40 @@ class StateArena:
 
     def seal_cold(self, stop: Callable[[], bool] = lambda: False) -> int:
         """Seal plaintext, least recently used first, until the hot tier holds at most `plaintext_bytes`;
-        returns the bytes sealed. `stop()` is asked between entries: a waiting request goes first."""
+        returns the bytes sealed. `stop()` is asked every `SEAL_BATCH` messages: a waiting request goes first
+        (an entry it interrupts stays plaintext, sealed by a later pass)."""
         if self.sealer is None or self.hot_bytes <= self.plaintext_bytes:
             return 0
         sealed = 0
-        hot = sorted((entry.last_used, handle) for handle, entry in self._entries.items() if entry.hot)
-        for _, handle in hot:
+        for _, handle in sorted((entry.last_used, handle) for handle, entry in self._entries.items() if entry.hot):
             if self.hot_bytes <= self.plaintext_bytes or stop():
                 break
             entry = self._entries[handle]
             for kind, part in (("span", entry.span), ("snapshot", entry.snapshot)):
                 if part is not None and part.plain is not None:
-                    self._seal(handle, entry, kind, part)
+                    if not self._seal(handle, entry, kind, part, stop):
+                        return sealed
                     sealed += part.nbytes
         return sealed
 
     @torch.inference_mode()
-    def _seal(self, handle: SpanHandle, entry: _Entry, kind: str, part: _Part) -> None:
+    def _seal(self, handle: SpanHandle, entry: _Entry, kind: str, part: _Part, stop: Callable[[], bool]) -> bool:
+        """Seal one part in batches of messages; False (nothing changed) when `stop()` interrupts it."""
         assert self.sealer is not None
         tensors = [t if t.is_contiguous() else t.contiguous() for t in _tensors(part.plain)]
         messages = [_bytes(_part(t, b)) for t in tensors for b in _blocks(t)]
         blob = bytearray(sum(m.nbytes for m in messages) + TAG_BYTES * len(messages))
-        nonces = self.sealer.seal(entry.scope, Place(handle, entry.start, entry.end, kind), messages, blob)
+        nonces: list[bytes] = []
+        place = Place(handle, entry.start, entry.end, kind)
+        offset = 0
+        for first in range(0, len(messages), SEAL_BATCH):
+            if first and stop():
+                torch.frombuffer(blob, dtype=torch.uint8).zero_()
+                return False  # the nonces it took are never used again
+            batch = messages[first:first + SEAL_BATCH]
+            end = offset + sum(m.nbytes + TAG_BYTES for m in batch)
+            nonces += self.sealer.seal(entry.scope, place, batch, memoryview(blob)[offset:end], first=first)
+            offset = end
         skeleton = _map(part.plain, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
         self._add(part, -1)
         _zero(part.plain)
@@ -380,6 +394,7 @@ class StateArena:
             tensor.zero_()
         part.plain, part.sealed = None, _Sealed(blob, nonces, skeleton)
         self._add(part, 1)
+        return True
 
     @torch.inference_mode()
     def wipe_scratch(self) -> None:

@@ -126,9 +126,10 @@ class Sealer:
                          struct.pack(">QQQ", place.handle, place.start, place.end), place.kind.encode(),
                          struct.pack(">I", index)))
 
-    def seal(self, scope: Scope, place: Place, parts: Sequence[Any], out: bytearray) -> list[bytes]:
+    def seal(self, scope: Scope, place: Place, parts: Sequence[Any], out: Any, first: int = 0) -> list[bytes]:
         """Seal each of `parts` (contiguous byte buffers) into `out`, one after another, each followed by its
-        tag; returns the nonces. `out` must hold sum(len) + TAG_BYTES per part."""
+        tag, as messages `first`, `first + 1`, ... of the entry; returns the nonces. `out` must hold sum(len) +
+        TAG_BYTES per part."""
         key = self._key(scope)
         nonces = [key.nonce() for _ in parts]
         view = memoryview(out)
@@ -136,7 +137,7 @@ class Sealer:
         for index, (part, nonce) in enumerate(zip(parts, nonces, strict=True)):
             size = memoryview(part).nbytes
             out_view = view[offset:offset + size + TAG_BYTES]
-            jobs.append((nonce, part, self.associated_data(scope, place, index), out_view))
+            jobs.append((nonce, part, self.associated_data(scope, place, first + index), out_view))
             offset += size + TAG_BYTES
         self._run(key.aead.encrypt_into, jobs)
         return nonces

@@ -170,3 +170,18 @@ def test_time_to_live_expires_unused_scopes() -> None:
     ttl = {"alice": 5.0, "bob": None}
     assert cache.expire(ttl.get, now=1e18) == [ALICE]
     assert cache.cached_tokens(ALICE) == 0 and cache.cached_tokens(BOB) == 10
+
+
+def test_a_waiting_request_interrupts_a_seal_which_leaves_the_plaintext_intact(monkeypatch: pytest.MonkeyPatch
+                                                                               ) -> None:
+    monkeypatch.setattr(arena_module, "SEAL_BATCH", 1)
+    cache = sealed_cache()
+    arena = arena_of(cache)
+    cache.store(ALICE, list(range(10)), state_of(list(range(10))))
+    asked = iter([False, False, True])  # the entry's K/V: 2 layers x 2 tensors x 2 heads = 8 messages
+    assert cache.seal_cold(stop=lambda: next(asked)) == 0
+    assert arena.hot_bytes == 10 * BYTES_PER_TOKEN and arena.sealed_bytes == 0
+    lease = cache.acquire(ALICE, list(range(10)), limit=9, anywhere=True)
+    assert restored_keys(cache, lease) == list(range(9))
+    cache.release(lease)
+    assert cache.seal_cold() == 10 * BYTES_PER_TOKEN
