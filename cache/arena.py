@@ -35,6 +35,9 @@ BLOCK_TOKENS = 1024
 per-message cost is small, small enough that a restore has many messages to spread over the cores."""
 SEAL_BATCH = 32
 """Messages sealed between two looks for a waiting request: 8 MiB, about a millisecond."""
+DEFER_BYTES = 32 * 1024 * 1024
+"""Plaintext over the hot tier that may wait for the next pass while requests queue (1k tokens of the default
+model); beyond it a waiting request waits for the seal."""
 
 
 class SealedEntryError(SealError):
@@ -353,11 +356,17 @@ class StateArena:
 
     def seal_cold(self, stop: Callable[[], bool] = lambda: False) -> int:
         """Seal plaintext, least recently used first, until the hot tier holds at most `plaintext_bytes`;
-        returns the bytes sealed. `stop()` is asked every `SEAL_BATCH` messages: a waiting request goes first
-        (an entry it interrupts stays plaintext, sealed by a later pass)."""
+        returns the bytes sealed. Every `SEAL_BATCH` messages, a waiting request (`stop()`) goes first, once at
+        most `DEFER_BYTES` are left over the hot tier (an entry it interrupts stays plaintext, sealed by the
+        next pass): the plaintext beyond the hot tier stays bounded under any load."""
         if self.sealer is None or self.hot_bytes <= self.plaintext_bytes:
             return 0
-        sealed = 0
+        sealed, given_way = 0, stop
+
+        def stop_now() -> bool:
+            return self.hot_bytes - self.plaintext_bytes <= DEFER_BYTES and given_way()
+
+        stop = stop_now
         for _, handle in sorted((entry.last_used, handle) for handle, entry in self._entries.items() if entry.hot):
             if self.hot_bytes <= self.plaintext_bytes or stop():
                 break

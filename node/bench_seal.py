@@ -100,6 +100,15 @@ async def _json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         return dict(await response.json())
 
 
+async def _sealed(session: aiohttp.ClientSession, root: str, timeout_s: float = 10.0) -> None:
+    """Wait until the node holds no stored plaintext (a seal a waiting request interrupted finishes when idle)."""
+    deadline = time.monotonic() + timeout_s
+    while (await _json(session, root + "/v1/node"))["sealing"]["plaintext_bytes"] > 0:
+        if time.monotonic() > deadline:
+            raise BenchError(f"the node still held plaintext state {timeout_s:.0f} s after the last reply")
+        await asyncio.sleep(0.05)
+
+
 async def _ttfts(node: LocalNode, key_b: str, lengths: tuple[int, ...], runs: int, open_gib_s: float,
                  seed: int) -> tuple[list[TtftRow], list[dict[str, Any]]]:
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
@@ -122,6 +131,7 @@ async def _ttfts(node: LocalNode, key_b: str, lengths: tuple[int, ...], runs: in
                 prefix = source.prefix(length - NEW_TOKENS)
                 miss = await a.complete(prefix + source.suffix(NEW_TOKENS))
                 await b.complete(source.prefix(64))  # another caller: A's state is sealed, off the buffers
+                await _sealed(session, node.root)
                 sealed = await a.complete(prefix + source.suffix(NEW_TOKENS))
                 hot = await a.complete(prefix + source.suffix(NEW_TOKENS))
                 for kind, timing in (("miss", miss), ("sealed", sealed), ("hot", hot)):

@@ -184,6 +184,7 @@ class Scheduler:
             for chore in chores:
                 self._guarded(chore)
             self._guarded(lambda: self.runner.expire(self.ttl_of))
+            self._guarded(lambda: self.runner.settle(stop=lambda: self._waiting > 0))  # what a busy spell left
 
     def _guarded(self, work: Callable[[], None]) -> None:
         try:
