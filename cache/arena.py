@@ -99,11 +99,21 @@ def _message_sizes(skeleton: Any) -> list[int]:
 
 
 @dataclass(slots=True)
+class _Blob:
+    """Ciphertext, shared by the halves of a split sealed span; zeroed when the last of them goes."""
+
+    data: bytearray
+    users: int = 1
+
+
+@dataclass(slots=True)
 class _Sealed:
-    blob: bytearray
+    blob: _Blob
     nonces: list[bytes]
     skeleton: Any
     """The payload's structure with meta tensors: shapes and dtypes, no data."""
+    window: tuple[int, int]
+    """The token rows of the sealed K/V this part covers: all of them until a split cuts the span."""
 
 
 @dataclass(slots=True)
@@ -111,6 +121,9 @@ class _Part:
     plain: Any
     sealed: _Sealed | None
     nbytes: int
+    origin: Place | None = None
+    """Where the part was sealed: the associated data its messages open with. Kept by the arena beside the
+    ciphertext, not in it, so ciphertext moved to another entry does not open."""
 
 
 @dataclass(slots=True)
@@ -145,8 +158,10 @@ def _shred(part: _Part | None) -> None:
         return
     if part.plain is not None:
         _zero(part.plain)
-    if part.sealed is not None and part.sealed.blob:
-        torch.frombuffer(part.sealed.blob, dtype=torch.uint8).zero_()
+    if part.sealed is not None:
+        part.sealed.blob.users -= 1
+        if not part.sealed.blob.users and part.sealed.blob.data:
+            torch.frombuffer(part.sealed.blob.data, dtype=torch.uint8).zero_()
     part.plain, part.sealed = None, None
 
 
@@ -193,8 +208,10 @@ class StateArena:
             self.sealed_bytes += sign * part.nbytes
 
     def put(self, scope: Scope, start: int, end: int, span: SpanState) -> SpanHandle:
+        return self._insert(scope, start, end, _Part(span, None, state_bytes(span)))
+
+    def _insert(self, scope: Scope, start: int, end: int, part: _Part) -> SpanHandle:
         handle = SpanHandle(next(self._next))
-        part = _Part(span, None, state_bytes(span))
         self._entries[handle] = _Entry(scope, start, end, part, None, self._clock())
         self._account(scope, part.nbytes)
         self._add(part, 1)
@@ -253,36 +270,56 @@ class StateArena:
         return size
 
     def split(self, handle: SpanHandle, offset: int) -> tuple[SpanHandle, SpanHandle]:
-        """Swap one span for its two halves (in plaintext, sealed again later); the snapshot stays at the end,
-        with the second half."""
+        """Swap one span for its two halves; the snapshot stays at the end, with the second half. A hot span is
+        cut into two plaintext copies; a sealed one into two windows on its ciphertext, nothing opened."""
         entry = self._entries[handle]
-        adapter = self._adapters[entry.scope.model]
-        span = self._plain(handle, entry, "span", entry.span)
-        snapshot = None if entry.snapshot is None else self._plain(handle, entry, "snapshot", entry.snapshot)
-        left_state, right_state = adapter.split(span, offset)
-        scope, start, end = entry.scope, entry.start, entry.end
-        self.free(handle)
-        left = self.put(scope, start, start + offset, left_state)
-        right = self.put(scope, start + offset, end, right_state)
+        scope, start, end, snapshot = entry.scope, entry.start, entry.end, entry.snapshot
+        span = entry.span
+        if span.plain is not None:
+            halves = self._adapters[scope.model].split(span.plain, offset)
+            parts = [_Part(half, None, state_bytes(half)) for half in halves]
+        else:
+            assert span.sealed is not None
+            lo, hi = span.sealed.window
+            per_token = span.nbytes // (hi - lo)
+            span.sealed.blob.users += 2
+            parts = [_Part(None, _Sealed(span.sealed.blob, span.sealed.nonces, span.sealed.skeleton, window),
+                           per_token * (window[1] - window[0]), span.origin)
+                     for window in ((lo, lo + offset), (lo + offset, hi))]
+        entry.snapshot = None  # moves to the right half as it is
         if snapshot is not None:
-            self.attach_snapshot(right, snapshot)
+            self._account(scope, -snapshot.nbytes)
+            self._add(snapshot, -1)
+            self.snapshot_bytes -= snapshot.nbytes
+        self.free(handle)
+        left = self._insert(scope, start, start + offset, parts[0])
+        right = self._insert(scope, start + offset, end, parts[1])
+        if snapshot is not None:
+            moved = self._entries[right]
+            moved.snapshot = snapshot
+            self._account(scope, snapshot.nbytes)
+            self._add(snapshot, 1)
+            self.snapshot_bytes += snapshot.nbytes
         return left, right
 
     def _plain(self, handle: SpanHandle, entry: _Entry, kind: str, part: _Part) -> Any:
         """A part's plaintext: itself when hot, else opened into fresh tensors (kept in `scratch`)."""
         if part.plain is not None:
             return part.plain
-        assert part.sealed is not None and self.sealer is not None
-        opened = _map(part.sealed.skeleton, lambda t: torch.empty(t.shape, dtype=t.dtype))
+        assert part.sealed is not None and part.origin is not None and self.sealer is not None
+        sealed = part.sealed
+        opened = _map(sealed.skeleton, lambda t: torch.empty(t.shape, dtype=t.dtype))
         outs = [_bytes(_part(t, b)) for t in _tensors(opened) for b in _blocks(t)]
-        place = Place(handle, entry.start, entry.end, kind)
         try:
-            self.sealer.run_open(self.sealer.open_jobs(entry.scope, place, part.sealed.nonces, part.sealed.blob, outs))
+            self.sealer.run_open(self.sealer.open_jobs(entry.scope, part.origin, sealed.nonces, sealed.blob.data, outs))
         except SealError:
             self.open_failures += 1
             _zero(opened)
             raise SealedEntryError([handle]) from None
         self.scratch.extend(_tensors(opened))
+        lo, hi = sealed.window
+        if kind == "span" and (lo, hi) != (0, _tensors(opened)[0].shape[2]):
+            return _map(opened, lambda t: t[:, :, lo:hi])
         return opened
 
     # -- restoring into a working cache ------------------------------------------------------------------
@@ -314,8 +351,10 @@ class StateArena:
                    take: int) -> None:
         """Open tokens `[start, take)` of a sealed span into the working cache: whole blocks straight into the
         layers' buffers, a block cut by `start` or `take` through a scratch block."""
-        assert entry.span.sealed is not None and self.sealer is not None
+        assert entry.span.sealed is not None and entry.span.origin is not None and self.sealer is not None
         sealed = entry.span.sealed
+        lo = sealed.window[0]
+        start, take = lo + start, lo + take  # rows of the sealed tensors (a split span is a window on them)
         sizes = _message_sizes(sealed.skeleton)
         outs, copies, index = [], [], 0
         offsets = list(itertools.accumulate([0] + [size + TAG_BYTES for size in sizes]))
@@ -336,8 +375,8 @@ class StateArena:
                             copies.append((out, target[0, head], first, end))
                         outs.append((index, _bytes(out)))
                     index += 1
-        place = Place(handle, entry.start, entry.end, "span")
-        blob = memoryview(sealed.blob)
+        place = entry.span.origin
+        blob = memoryview(sealed.blob.data)
         jobs = [self.sealer.open_job(entry.scope, place, message, sealed.nonces[message],
                                      blob[offsets[message]:offsets[message + 1]], out) for message, out in outs]
         try:
@@ -347,8 +386,8 @@ class StateArena:
             raise SealedEntryError([handle]) from None
         finally:
             for scratch, row_target, first, end in copies:
-                lo, hi = max(first, start), min(end, take)
-                row_target[lo - start:hi - start].copy_(scratch[lo - first:hi - first])
+                low, high = max(first, start), min(end, take)
+                row_target[low - start:high - start].copy_(scratch[low - first:high - first])
                 scratch.zero_()
         adapter.finish_rows(cache, take - start)
 
@@ -401,7 +440,8 @@ class StateArena:
         _zero(part.plain)
         for tensor in tensors:
             tensor.zero_()
-        part.plain, part.sealed = None, _Sealed(blob, nonces, skeleton)
+        rows = entry.end - entry.start if kind == "span" else 0
+        part.plain, part.sealed, part.origin = None, _Sealed(_Blob(blob), nonces, skeleton, (0, rows)), place
         self._add(part, 1)
         return True
 

@@ -99,6 +99,28 @@ def test_sealed_spans_restore_the_same_state_and_their_plaintext_is_zeroed(monke
     cache.release(lease)
 
 
+@pytest.mark.parametrize("block", [1024, 3])
+def test_a_sealed_span_splits_into_windows_on_its_ciphertext(monkeypatch: pytest.MonkeyPatch, block: int) -> None:
+    monkeypatch.setattr(arena_module, "BLOCK_TOKENS", block)
+    cache = sealed_cache()
+    arena = arena_of(cache)
+    cache.store(ALICE, list(range(10)), state_of(list(range(10))))
+    cache.seal_cold()
+    [sealed] = [e.span.sealed for e in arena._entries.values()]
+    assert sealed is not None
+    cache.store(ALICE, list(range(6)) + [60, 61], state_of(list(range(6)) + [60, 61]))  # splits it at 6
+    windows = sorted(e.span.sealed.window for e in arena._entries.values() if e.span.sealed is not None)
+    assert windows == [(0, 6), (6, 10)] and sealed.blob.users == 2
+    assert arena.bytes_total == 12 * BYTES_PER_TOKEN
+    for prompt, want in [(list(range(10)), list(range(9))), (list(range(6)) + [60, 61, 0], [0, 1, 2, 3, 4, 5, 60, 61]),
+                         (list(range(8)) + [0], list(range(8)))]:
+        lease = cache.acquire(ALICE, prompt, limit=len(prompt) - 1, anywhere=True)
+        assert restored_keys(cache, lease) == want
+        cache.release(lease)
+    cache.drop_scope(ALICE)
+    assert sealed.blob.users == 0 and not any(sealed.blob.data)
+
+
 def test_the_hot_tier_keeps_the_most_recently_used_in_plaintext() -> None:
     cache = sealed_cache(plaintext_bytes=10 * BYTES_PER_TOKEN)
     arena = arena_of(cache)
@@ -119,7 +141,7 @@ def test_tampered_moved_and_misplaced_entries_are_named_and_dropped() -> None:
     first, second = sorted(arena._entries)
     sealed_first = arena._entries[first].span.sealed
     assert sealed_first is not None
-    sealed_first.blob[3] ^= 0x40
+    sealed_first.blob.data[3] ^= 0x40
     lease = cache.acquire(ALICE, list(range(10)), limit=9, anywhere=True)
     with pytest.raises(SealedEntryError) as failed:
         restored_keys(cache, lease)
@@ -153,7 +175,7 @@ def test_dropping_a_scope_zeroes_its_buffers_and_destroys_its_key() -> None:
     cache.store(ALICE, list(range(10)), state_of(list(range(10))))
     cache.store(ALICE, list(range(1, 5)), state_of(list(range(1, 5))))
     cache.seal_cold()
-    blobs = [e.span.sealed.blob for e in arena._entries.values() if e.span.sealed is not None]
+    blobs = [e.span.sealed.blob.data for e in arena._entries.values() if e.span.sealed is not None]
     plain = [t for e in arena._entries.values() if e.span.plain is not None
              for t in arena_module._tensors(e.span.plain)]
     assert blobs and plain and all(any(b) for b in blobs) and all(t.any() for t in plain)

@@ -68,9 +68,10 @@ def test_an_entry_that_fails_to_open_is_dropped_counted_and_recomputed(loaded: L
     run(sealed, ALICE, history, boundaries=(60,))
     run(sealed, BOB, tokens(5, 50))
     arena = arena_of(sealed)
-    for entry in arena._entries.values():
-        if entry.scope == ALICE and entry.span.sealed is not None:
-            entry.span.sealed.blob[-1] ^= 1  # every tag of alice's spans is wrong now
+    blobs = {id(e.span.sealed.blob): e.span.sealed.blob for e in arena._entries.values()
+             if e.scope == ALICE and e.span.sealed is not None}
+    for blob in blobs.values():
+        blob.data[-1] ^= 1  # the last message of each of alice's sealed spans is altered
     follow = history + tokens(6, 10)
     got, restored, _ = run(sealed, ALICE, follow)
     assert restored == 0 and arena.open_failures >= 1
@@ -93,7 +94,7 @@ def test_a_removed_caller_leaves_zeros_and_no_key(loaded: LoadedModel) -> None:
     sealed = sealed_runner(loaded)
     run(sealed, ALICE, tokens(8, 90))
     arena = arena_of(sealed)
-    blobs = [entry.span.sealed.blob for entry in arena._entries.values() if entry.span.sealed is not None]
+    blobs = [entry.span.sealed.blob.data for entry in arena._entries.values() if entry.span.sealed is not None]
     assert blobs and all(any(blob) for blob in blobs)
     assert loaded.state is not None
     pool = loaded.state._pool._buffers
