@@ -211,11 +211,12 @@ class ModelStateAdapter:
             if piece is not None:
                 self._full.restore_span(layer, piece, start, take)
 
-    def span_rows(self, cache: DynamicCache, index: int, keys: torch.Tensor, values: torch.Tensor, count: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def span_rows(self, cache: DynamicCache, index: int, keys: torch.Tensor, values: torch.Tensor, count: int,
+                  spare: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Room for `count` new K/V rows of layer `index` after its current length, to be written by the caller
-        (`keys`/`values` give heads, head dim and dtype): views of the working buffers, or, for a layer without
-        them, fresh tensors that `finish_rows` appends."""
+        (`keys`/`values` give heads, head dim and dtype), and the cache row they start at: views of the
+        working buffers, extended by up to `spare` rows the buffers hold past them (the layer's length grows by
+        `count` only); for a layer without buffers, fresh tensors of `count` rows that `finish_rows` appends."""
         layer = cache.layers[index]
         key_shape = (1, keys.shape[1], count, keys.shape[3])
         value_shape = (1, values.shape[1], count, values.shape[3])
@@ -223,10 +224,10 @@ class ModelStateAdapter:
             # Shapes only: one row, expanded without copying.
             key_like = torch.empty((1, keys.shape[1], 1, keys.shape[3]), dtype=keys.dtype).expand(key_shape)
             value_like = torch.empty((1, values.shape[1], 1, values.shape[3]), dtype=values.dtype).expand(value_shape)
-            return layer.write_rows(key_like, value_like)
+            return layer.write_rows(key_like, value_like, spare)
         rows = torch.empty(key_shape, dtype=keys.dtype), torch.empty(value_shape, dtype=values.dtype)
         self._unwritten.append((layer, rows))
-        return rows
+        return rows[0], rows[1], 0
 
     def finish_rows(self, cache: DynamicCache, count: int) -> None:
         """Append the rows `span_rows` handed out as fresh tensors, then zero those."""

@@ -185,6 +185,9 @@ class StateArena:
         """The part of `bytes_total` held in plaintext."""
         self.sealed_bytes = 0
         self.open_failures = 0
+        self.written = 0
+        """The highest working-buffer row an opening wrote since the engine last read it (rows past a restore's
+        length included: they hold state until overwritten or wiped)."""
         self.scratch: list[torch.Tensor] = []
         """Plaintext opened for the current request outside the working buffers; zeroed by `wipe_scratch`."""
 
@@ -359,26 +362,28 @@ class StateArena:
         outs, copies, index = [], [], 0
         offsets = list(itertools.accumulate([0] + [size + TAG_BYTES for size in sizes]))
         pieces = iter(_tensors(sealed.skeleton))
+        blob = memoryview(sealed.blob.data)
         for layer_index, piece in enumerate(sealed.skeleton):
             if piece is None:
                 continue
             keys, values = next(pieces), next(pieces)
-            rows = adapter.span_rows(cache, layer_index, keys, values, take - start)
+            # Rows past `take` in the buffers are free (the new tokens or the next span write there): a block
+            # that `take` cuts opens in place when it fits, else through a scratch block.
+            *rows, cache_row = adapter.span_rows(cache, layer_index, keys, values, take - start, spare=BLOCK_TOKENS)
             for meta, target in ((keys, rows[0]), (values, rows[1])):
                 for block in _blocks(meta):
                     head, first, end = block
                     if end > start and first < take:
-                        if first >= start and end <= take:
+                        if first >= start and end - start <= target.shape[2]:
                             out = target[0, head, first - start:end - start]
+                            self.written = max(self.written, cache_row + end - start)
                         else:
                             out = torch.empty((end - first, meta.shape[-1]), dtype=meta.dtype)
                             copies.append((out, target[0, head], first, end))
-                        outs.append((index, _bytes(out)))
+                        outs.append((index, sealed.nonces[index], blob[offsets[index]:offsets[index + 1]],
+                                     _bytes(out)))
                     index += 1
-        place = entry.span.origin
-        blob = memoryview(sealed.blob.data)
-        jobs = [self.sealer.open_job(entry.scope, place, message, sealed.nonces[message],
-                                     blob[offsets[message]:offsets[message + 1]], out) for message, out in outs]
+        jobs = self.sealer.open_jobs_at(entry.scope, entry.span.origin, outs)
         try:
             self.sealer.run_open(jobs)
         except SealError:

@@ -120,11 +120,23 @@ class Sealer:
         self._keys.pop(scope, None)
 
     def associated_data(self, scope: Scope, place: Place, index: int) -> bytes:
+        return self._ad_prefix(scope, place) + struct.pack(">I", index)
+
+    def _ad_prefix(self, scope: Scope, place: Place) -> bytes:
+        """Everything of an entry's associated data but the message index (built once per entry, not per message)."""
         caller, model = scope.caller.encode(), scope.model.encode()
         return b"".join((AD_VERSION, self.boot_id, struct.pack(">H", len(caller)), caller,
                          struct.pack(">H", len(model)), model,
-                         struct.pack(">QQQ", place.handle, place.start, place.end), place.kind.encode(),
-                         struct.pack(">I", index)))
+                         struct.pack(">QQQ", place.handle, place.start, place.end), place.kind.encode()))
+
+    def open_jobs_at(self, scope: Scope, place: Place, messages: Sequence[tuple[int, bytes, Any, Any]]
+                     ) -> list[tuple[Any, ...]]:
+        """The decryptions of (index, nonce, sealed bytes, out) messages of one entry, for `run_open`."""
+        key = self._keys.get(scope)
+        if key is None:
+            raise SealError("this scope's key is gone: its state was shredded")
+        prefix, aead, pack = self._ad_prefix(scope, place), key.aead, struct.Struct(">I").pack
+        return [(aead, nonce, data, prefix + pack(index), out) for index, nonce, data, out in messages]
 
     def seal(self, scope: Scope, place: Place, parts: Sequence[Any], out: Any, first: int = 0) -> list[bytes]:
         """Seal each of `parts` (contiguous byte buffers) into `out`, one after another, each followed by its
@@ -163,22 +175,27 @@ class Sealer:
         return jobs
 
     def run_open(self, jobs: Sequence[tuple[Any, ...]]) -> None:
-        def one(job: tuple[Any, ...]) -> None:
-            aead, nonce, data, ad, out = job
-            aead.decrypt_into(nonce, data, ad, out)
+        def some(share: Sequence[tuple[Any, ...]]) -> None:
+            for aead, nonce, data, ad, out in share:
+                aead.decrypt_into(nonce, data, ad, out)
 
         try:
-            if len(jobs) <= 1:
-                for job in jobs:
-                    one(job)
-            else:
-                list(self._pool.map(one, jobs))
+            self._spread(some, jobs)
         except InvalidTag:
             raise SealError("a sealed entry failed authentication") from None
 
     def _run(self, method: Any, jobs: list[tuple[Any, ...]]) -> None:
-        if len(jobs) <= 1:
-            for job in jobs:
+        def some(share: Sequence[tuple[Any, ...]]) -> None:
+            for job in share:
                 method(*job)
-        else:
-            list(self._pool.map(lambda job: method(*job), jobs))
+
+        self._spread(some, jobs)
+
+    def _spread(self, work: Any, jobs: Sequence[tuple[Any, ...]]) -> None:
+        """`work` over one contiguous share of `jobs` per thread: one task each, not one per message."""
+        shares = min(self.threads, len(jobs))
+        if shares <= 1:
+            work(jobs)
+            return
+        size = -(-len(jobs) // shares)
+        list(self._pool.map(work, [jobs[i:i + size] for i in range(0, len(jobs), size)]))

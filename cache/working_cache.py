@@ -100,13 +100,15 @@ class GrowableKVLayer(DynamicLayer):
         end = start + like.shape[-2]
         return self._key_buffer[:, :, start:end], self._value_buffer[:, :, start:end], self.segments()
 
-    def write_rows(self, keys_like: torch.Tensor, values_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_rows(self, keys_like: torch.Tensor, values_like: torch.Tensor, spare: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Views of the buffers for new K/V rows after the current length (`*_like` give their shapes and dtype),
-        which the caller writes before anything reads this layer."""
+        which the caller writes before anything reads this layer, extended by up to `spare` rows the buffers
+        hold past them; and the row they start at."""
         start = self._reserve(keys_like, values_like)
         assert self._key_buffer is not None and self._value_buffer is not None
-        end = start + keys_like.shape[-2]
-        return self._key_buffer[:, :, start:end], self._value_buffer[:, :, start:end]
+        end = min(start + keys_like.shape[-2] + spare, self._key_buffer.shape[2], self._value_buffer.shape[2])
+        return self._key_buffer[:, :, start:end], self._value_buffer[:, :, start:end], start
 
     def segments(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) pieces covering positions `[0, length)` in order: buffer views and pieces held by

@@ -179,6 +179,8 @@ class Runner:
         """After a reply: zero plaintext that is no longer hot (working-buffer rows beyond the hot working
         cache, state opened for the request), then seal cold state, yielding to a waiting request (`stop`)."""
         state = self.loaded.state
+        if self.arena is not None:
+            self._dirty, self.arena.written = max(self._dirty, self.arena.written), 0
         if state is not None:
             keep = len(self._hot[1]) if self._hot is not None else 0
             state.wipe_pool(keep, self._dirty)
