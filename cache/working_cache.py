@@ -35,6 +35,9 @@ class BufferPool:
             fresh = like.new_empty(shape)
             if keep and held is not None:
                 fresh[:, :, :keep].copy_(held[:, :, :keep])
+            if held is not None:
+                with torch.inference_mode():
+                    held.zero_()  # a request's state must not outlive the buffer it was in
             held = self._buffers[slot] = fresh
         return held[:, :, :shape[2]]
 

@@ -61,7 +61,11 @@ def _metering_lines(meter: Meter, paths: MeteringPaths, created_prices: bool) ->
 
 def _serve(args: argparse.Namespace) -> int:
     # First, so that the memory lock covers everything loaded after it.
-    from node.hygiene import HygienePolicyError, apply_hygiene, load_hygiene_policy
+    from node.hygiene import HygienePolicyError, apply_hygiene, load_hygiene_policy, without_chunk_cache
+
+    environment = without_chunk_cache()
+    if environment is not None:  # once: glibc reads its tunables only when a process starts
+        os.execve(sys.executable, [sys.executable, "-m", "node", *_ARGV], environment)
 
     hygiene = apply_hygiene()
     try:
@@ -296,7 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_ARGV: list[str] = []
+
+
 def main(argv: list[str] | None = None) -> None:
+    _ARGV[:] = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_privacy_filter()
     args = build_parser().parse_args(argv)

@@ -50,12 +50,15 @@ class HygieneState:
     memory_lock_reason: str  # LOCK_ALL when locked, else why not
     swap_active: tuple[str, ...] | None  # devices and files in /proc/swaps; None when it cannot be read
     dump_exclusion: bool  # madvise(MADV_DONTDUMP) works here, so `exclude_from_dumps` can mark buffers
+    freed_memory_overwritten: bool = False
+    """glibc overwrites what is freed (`mallopt(M_PERTURB)`): tensors a forward frees (projections, rotary
+    outputs) do not leave a request's state behind in the heap."""
 
     def as_json(self) -> dict[str, Any]:
         return {"core_dumps_off": self.core_dumps_off, "dumpable": self.dumpable,
                 "memory_locked": self.memory_locked, "memory_lock_reason": self.memory_lock_reason,
                 "swap_active": None if self.swap_active is None else list(self.swap_active),
-                "dump_exclusion": self.dump_exclusion}
+                "dump_exclusion": self.dump_exclusion, "freed_memory_overwritten": self.freed_memory_overwritten}
 
 
 @lru_cache(maxsize=1)
@@ -150,6 +153,21 @@ def _read_swaps() -> tuple[str, ...] | None:
         return None
 
 
+M_PERTURB = -6
+PERTURB_BYTE = 0xA5
+TCACHE_OFF = "glibc.malloc.tcache_count=0"
+"""glibc's per-thread cache keeps freed chunks of up to 1032 bytes without overwriting them."""
+
+
+def without_chunk_cache() -> dict[str, str] | None:
+    """The environment to re-execute this process with so that glibc caches no freed chunks (read only at
+    start), or None when it already does not (or this is not Linux)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if sys.platform != "linux" or TCACHE_OFF in tunables:
+        return None
+    return {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, TCACHE_OFF]))}
+
+
 def apply_hygiene(lock_memory: bool = True) -> HygieneState:
     """Turn core dumps off, make the process undumpable, lock its memory; report, never raise.
 
@@ -166,8 +184,14 @@ def apply_hygiene(lock_memory: bool = True) -> HygieneState:
     libc.prctl(ctypes.c_int(PR_SET_DUMPABLE), zero, zero, zero, zero)
     dumpable = libc.prctl(ctypes.c_int(PR_GET_DUMPABLE), zero, zero, zero, zero) != 0
     locked, reason = _lock_all() if lock_memory else (False, "not requested")
+    # Freed heap memory is overwritten with this byte (and new allocations with its complement). glibc's
+    # per-thread cache of chunks up to 1032 bytes is exempt; the CLI turns that cache off at start
+    # (GLIBC_TUNABLES, read only when a process starts).
+    perturbed = (libc.mallopt(ctypes.c_int(M_PERTURB), ctypes.c_int(PERTURB_BYTE)) == 1
+                 and TCACHE_OFF in os.environ.get("GLIBC_TUNABLES", ""))
     return HygieneState(core_dumps_off=core_dumps_off, dumpable=dumpable, memory_locked=locked,
-                        memory_lock_reason=reason, swap_active=_read_swaps(), dump_exclusion=_dump_exclusion_works())
+                        memory_lock_reason=reason, swap_active=_read_swaps(), dump_exclusion=_dump_exclusion_works(),
+                        freed_memory_overwritten=perturbed)
 
 
 @dataclass(frozen=True, slots=True)

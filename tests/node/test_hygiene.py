@@ -104,7 +104,7 @@ def test_on_another_system_only_the_core_limit_changes_and_the_state_says_so() -
     assert seen["core"] == [0, 0]
     assert seen["state"] == {"core_dumps_off": True, "dumpable": True, "memory_locked": False,
                              "memory_lock_reason": "not Linux (darwin)", "swap_active": None,
-                             "dump_exclusion": False}
+                             "dump_exclusion": False, "freed_memory_overwritten": False}
     assert seen["dumpable"] == 1 and seen["locked_kib"] == 0
 
 
@@ -237,7 +237,8 @@ def test_missing_names_each_requirement_not_met_and_how_to_fix_it() -> None:
 def test_the_state_as_json() -> None:
     assert EXPOSED.as_json() == {"core_dumps_off": True, "dumpable": False, "memory_locked": False,
                                  "memory_lock_reason": EXPOSED.memory_lock_reason,
-                                 "swap_active": ["/dev/sda2", "/swapfile"], "dump_exclusion": True}
+                                 "swap_active": ["/dev/sda2", "/swapfile"], "dump_exclusion": True,
+                                 "freed_memory_overwritten": False}
 
 
 MARKER = "PROMPT-TEXT-c81f0e"

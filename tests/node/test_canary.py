@@ -1,0 +1,290 @@
+"""Canaries (issue 11): a request's text and token ids reach no file, and a caller's keys and values leave the
+node's memory once another caller's request has replaced its hot working cache.
+
+Both run a real node. The memory canary reads the node's memory through /proc/PID/mem, which the node's
+PR_SET_DUMPABLE 0 leaves open to root only (CAP_SYS_PTRACE); elsewhere it is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from node.engine.loader import load_model
+from tests.node.conftest import Node, stop_node
+
+LINUX = pytest.mark.skipif(sys.platform != "linux", reason="/proc/PID/maps and /proc/PID/mem are Linux's")
+CHUNK_BYTES = 64 << 20
+SETTLE_TIMEOUT_S = 10.0
+
+RowKey = tuple[str, int, int, int]
+"""(keys or values, layer, kv head, token position)."""
+
+
+def client(node: Node, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=node.base, api_key=key, max_retries=0)
+
+
+# -- files -------------------------------------------------------------------------------------------------
+
+
+def id_needles(ids: list[int]) -> dict[str, bytes]:
+    """A token id sequence as a file could hold it: decimal text and little-endian int32/int64 arrays."""
+    return {"ids, ": ", ".join(map(str, ids)).encode(), "ids,": ",".join(map(str, ids)).encode(),
+            "ids space": " ".join(map(str, ids)).encode(), "ids int32": np.array(ids, "<i4").tobytes(),
+            "ids int64": np.array(ids, "<i8").tobytes()}
+
+
+def files_touched(roots: list[Path], since: float) -> Iterator[Path]:
+    for root in roots:
+        candidates = [root] if root.is_file() else root.rglob("*") if root.is_dir() else []
+        for path in candidates:
+            if path.is_file() and not path.is_symlink() and path.stat().st_mtime >= since:
+                yield path
+
+
+def test_request_text_and_token_ids_reach_no_file(node_factory, small_model_dir: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    since = time.time() - 1.0  # file times come from a coarse clock, which can lag time.time() a little
+    node_tmp = tmp_path / "tmp"
+    node_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(node_tmp))  # the node's environment is copied from ours
+    node = node_factory(small_model_dir)
+    c, model = client(node, node.add_key("alice")), small_model_dir.name
+    marker = " ".join(uuid.uuid4().hex for _ in range(2))
+    tokenizer = AutoTokenizer.from_pretrained(small_model_dir)
+    # Mid-sentence the marker follows a space; its first id may merge with what precedes it, so it is left out.
+    plain, spaced = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in (marker, " " + marker))
+
+    messages = [{"role": "system", "content": "You keep codes."},
+                {"role": "user", "content": f"Remember the code {marker} for me."}]
+    first = c.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": f"Repeat the code {marker} once."}]
+    stream = c.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    messages += [{"role": "assistant", "content": streamed}, {"role": "user", "content": "And once more."}]
+    third = c.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+    assert third.usage.prompt_tokens_details.cached_tokens > len(spaced)  # the history with the marker was reused
+    c.completions.create(model=model, prompt=f"The code is {marker}", max_tokens=4, temperature=0)
+    list(c.completions.create(model=model, prompt=spaced, max_tokens=4, temperature=0, stream=True))
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=model, messages=[{"role": "user", "content": marker}], max_tokens=0)
+    with pytest.raises(openai.BadRequestError):  # an id past the vocabulary: the error must not quote the prompt
+        c.completions.create(model=model, prompt=spaced + [10**7], max_tokens=4)
+    stop_node(node)
+    assert node.process.returncode is not None
+
+    home = Path(node.env["TENZRO_HOME"])
+    cache = Path.home() / ".cache"
+    roots = [node.config.parent, home, node_tmp, *cache.glob("torch*"), cache / "tenzro", small_model_dir]
+    files = sorted(set(files_touched(roots, since)))
+    log, ledger = node.config.parent / "node.log", [path for path in files if path.is_relative_to(home / "ledger")]
+    assert log in files and log.stat().st_size > 0
+    assert ledger and sum(path.stat().st_size for path in ledger) > 0  # the requests were metered, on disk
+    needles = {"marker": marker.encode(), **{f"marker word {i}": w.encode() for i, w in enumerate(marker.split())},
+               **{f"{name} (alone)": n for name, n in id_needles(plain[1:]).items()},
+               **{f"{name} (after a space)": n for name, n in id_needles(spaced[1:]).items()}}
+    found = {}
+    for path in files:
+        data = path.read_bytes()
+        hits = [name for name, needle in needles.items() if needle in data]
+        if hits:
+            found[str(path)] = hits
+    print(f"scanned {len(files)} files, {sum(p.stat().st_size for p in files) >> 10} KiB, for {len(needles)} forms")
+    assert found == {}
+
+
+# -- memory ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    start: int
+    end: int
+    perms: str
+    name: str
+    """The mapped file's path, "[heap]", "[stack]", ..., or "" for anonymous memory."""
+
+    def describe(self) -> str:
+        return f"{self.name or 'anonymous'} {self.perms} {self.start:#x}+{(self.end - self.start) >> 10} KiB"
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    address: int
+    region: Region
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryScan:
+    rows_bytes: dict[RowKey, bytes]
+    rows: dict[RowKey, list[Hit]]
+    text: list[Hit]
+    scanned_bytes: int
+    seconds: float
+
+    def rows_found(self) -> set[RowKey]:
+        return {row for row, hits in self.rows.items() if hits}
+
+    def summary(self) -> str:
+        hits = [(row, hit) for row, found in self.rows.items() for hit in found]
+        by_region = Counter(hit.region.describe() for _, hit in hits)
+        by_layer = Counter(f"{kind} of layer {layer}" for (kind, layer, _, _), _ in hits)
+        return (f"{len(self.rows_found())} of {len(self.rows)} rows, {len(hits)} copies; by region "
+                f"{dict(by_region)}; by kind {dict(by_layer)}; head strides in rows "
+                f"{ {name: strides.most_common(3) for name, strides in self.head_strides().items()} }")
+
+    def head_strides(self) -> dict[str, Counter[int]]:
+        """Per kind and layer, how many rows apart head 1's copy of a position lies from head 0's, which names
+        the tensor: 1, token-major `[tokens, heads, dim]` as the projections write it; the working cache's
+        capacity, its buffer `[heads, capacity, dim]`."""
+        strides: dict[str, Counter[int]] = {}
+        for (kind, layer, head, position), found in self.rows.items():
+            row_bytes = len(self.rows_bytes[(kind, layer, head, position)])
+            for first in found if head == 0 else ():
+                for second in self.rows.get((kind, layer, 1, position), []):
+                    if 0 < second.address - first.address < 1 << 20:
+                        strides.setdefault(f"{kind} {layer}", Counter())[(second.address - first.address)
+                                                                         // row_bytes] += 1
+        return strides
+
+
+def readable_regions(pid: int) -> list[Region]:
+    regions = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(part, 16) for part in fields[0].split("-"))
+        name = fields[5].strip() if len(fields) > 5 else ""
+        if fields[1].startswith("r") and name not in ("[vvar]", "[vvar_vclock]", "[vsyscall]"):
+            regions.append(Region(start, end, fields[1], name))
+    return regions
+
+
+def scan_memory(pid: int, rows: dict[RowKey, bytes], text: bytes) -> MemoryScan:
+    """Every copy of each row and of `text` in the process's readable memory.
+
+    Rows are float32, so every copy of one starts 4-byte aligned: a table of the rows' first words (their low
+    24 bits) picks the few aligned candidates, which are then compared whole.
+    """
+    started = time.perf_counter()
+    by_word: dict[int, list[RowKey]] = {}
+    for row, data in rows.items():
+        by_word.setdefault(int.from_bytes(data[:4], "little"), []).append(row)
+    words = np.array(list(by_word), dtype=np.uint32)
+    table = np.zeros(1 << 24, dtype=bool)
+    table[words & 0xFFFFFF] = True
+    overlap = max(max(map(len, rows.values())), len(text))
+    found: dict[RowKey, list[Hit]] = {row: [] for row in rows}
+    text_hits: list[Hit] = []
+    scanned = 0
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as memory:
+        for region in readable_regions(pid):
+            for start in range(region.start, region.end, CHUNK_BYTES):
+                limit = min(region.end, start + CHUNK_BYTES)  # matches must start before it; the rest is overlap
+                try:
+                    memory.seek(start)
+                    data = memory.read(min(region.end, limit + overlap) - start)
+                except OSError:
+                    continue
+                scanned += len(data)
+                view = np.frombuffer(data, dtype=np.uint32, count=len(data) // 4)
+                candidates = np.flatnonzero(table[view & 0xFFFFFF])
+                for index in candidates[np.isin(view[candidates], words)].tolist():
+                    offset = 4 * index
+                    for row in by_word[int(view[index])] if start + offset < limit else ():
+                        if data[offset:offset + len(rows[row])] == rows[row]:
+                            found[row].append(Hit(start + offset, region))
+                offset = data.find(text)
+                while 0 <= offset < limit - start:
+                    text_hits.append(Hit(start + offset, region))
+                    offset = data.find(text, offset + 1)
+    return MemoryScan(rows, found, text_hits, scanned, time.perf_counter() - started)
+
+
+@torch.inference_mode()
+def working_cache_rows(model_dir: Path, prompt: list[int]) -> dict[RowKey, bytes]:
+    """The K/V rows a prompt leaves in the node's working cache (but first-layer values), computed as the node
+    computes them: its loader, its forward path (native kernels or transformers, one thread: tests/conftest.py),
+    its working-cache layers."""
+    loaded = load_model(model_dir.name, model_dir)
+    assert loaded.state is not None
+    cache, _ = loaded.state.new_cache(len(prompt))
+    loaded.forward(prompt, 0, cache)
+    rows: dict[RowKey, bytes] = {}
+    for index, layer in enumerate(cache.layers):
+        # A first-layer value row is a function of its token alone: any prompt holding that token (the node's
+        # load-time checks hold thousands) writes the same bytes, which say nothing about whose state is left.
+        for kind, tensor in (("keys", layer.keys), ("values", layer.values))[:1 if index == 0 else 2]:
+            for head in range(tensor.shape[1]):
+                for position in range(len(prompt)):
+                    rows[(kind, index, head, position)] = tensor[0, head, position].numpy().tobytes()
+    return rows
+
+
+def wait_settled(node: Node) -> dict[str, Any]:
+    """The node's sealing state once nothing is left in the hot tier (settle ran after the last reply)."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(node.base + "/node", timeout=2) as response:
+            sealing: dict[str, Any] = json.load(response)["sealing"]
+        if sealing["plaintext_bytes"] == 0:
+            return sealing
+        time.sleep(0.01)
+    raise AssertionError(f"the node did not settle in {SETTLE_TIMEOUT_S} s: {sealing}")
+
+
+@LINUX
+def test_a_callers_keys_and_values_leave_memory_once_another_callers_request_replaces_them(
+        node_factory, small_model_dir: Path) -> None:
+    node = node_factory(small_model_dir)  # one torch thread, as the in-process forward below
+    pid = node.process.pid
+    try:
+        open(f"/proc/{pid}/mem", "rb").close()
+    except PermissionError:
+        pytest.skip("the node is not dumpable: only root (CAP_SYS_PTRACE) may read its memory")
+    alice, bob = client(node, node.add_key("alice")), client(node, node.add_key("bob"))
+    model = small_model_dir.name
+    rng = random.Random(11)
+    # Disjoint token ranges: a layer-0 key depends only on its token and position, a layer-0 value on its token
+    # alone, so bob's prompt could otherwise write rows equal to some of alice's.
+    prompt_a = [rng.randrange(100, 3000) for _ in range(300)]
+    prompt_b = [rng.randrange(3000, 6000) for _ in range(400)]
+    rows = working_cache_rows(small_model_dir, prompt_a)
+    marker = uuid.uuid4().hex.encode()
+
+    alice.chat.completions.create(model=model, messages=[{"role": "user", "content": f"My code is {marker.decode()}"}],
+                                  max_tokens=1, temperature=0)
+    alice.completions.create(model=model, prompt=prompt_a, max_tokens=1, temperature=0)
+    assert wait_settled(node)["sealed_bytes"] > 0
+    with urllib.request.urlopen(node.url + "/v1/node", timeout=5) as response:
+        hygiene = json.load(response)["hygiene"]
+    assert hygiene["freed_memory_overwritten"] is True  # the node re-ran itself with glibc's chunk cache off
+    hot = scan_memory(pid, rows, marker)
+    print(f"alice hot: {hot.summary()}; marker text {len(hot.text)} copies "
+          f"({hot.scanned_bytes >> 20} MiB in {hot.seconds:.1f} s)")
+    assert hot.rows_found() == set(rows)  # the scan sees alice's hot working cache
+
+    bob.completions.create(model=model, prompt=prompt_b, max_tokens=1, temperature=0)
+    wait_settled(node)
+    after = scan_memory(pid, rows, marker)
+    print(f"after bob: {after.summary()}; marker text {len(after.text)} copies "
+          f"in {Counter(hit.region.describe() for hit in after.text)}")
+    left = len(after.rows_found())
+    assert left == 0, f"alice's state is still in the node's memory: {after.summary()}"
