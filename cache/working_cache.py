@@ -7,10 +7,15 @@ buffers that a pool keeps between requests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicLayer
+
+FRESH_BUFFER_HOOKS: list[Callable[[int, int], object]] = []
+"""Called with (address, bytes) of each working buffer the pool allocates: the node excludes them from core
+dumps (`node.hygiene.exclude_from_dumps`); this package cannot import the node."""
 
 
 class BufferPool:
@@ -33,6 +38,8 @@ class BufferPool:
         if (held is None or held.dtype != like.dtype or held.device != like.device
                 or held.shape[:2] + held.shape[3:] != shape[:2] + shape[3:] or held.shape[2] < shape[2]):
             fresh = like.new_empty(shape)
+            for hook in FRESH_BUFFER_HOOKS:
+                hook(fresh.data_ptr(), fresh.numel() * fresh.element_size())
             if keep and held is not None:
                 fresh[:, :, :keep].copy_(held[:, :, :keep])
             if held is not None:

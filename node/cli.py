@@ -82,6 +82,12 @@ def _serve(args: argparse.Namespace) -> int:
     import torch
     from aiohttp import web
 
+    from cache.working_cache import FRESH_BUFFER_HOOKS
+    from node.hygiene import exclude_from_dumps
+
+    if hygiene.dump_exclusion:
+        FRESH_BUFFER_HOOKS.append(exclude_from_dumps)  # the working buffers hold plaintext state
+
     from cache.arena import new_prefix_cache
     from cache.snapshot_policy import PolicyError, SnapshotPolicy
     from node.app import METER, create_app

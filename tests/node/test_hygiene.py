@@ -352,3 +352,16 @@ def test_our_log_calls_use_constant_format_strings() -> None:
     assert sum(len(logging_calls(text)) for text in texts.values()) >= 9  # the scan sees them (9 when written)
     built = {path: built_messages(text) for path, text in texts.items()}
     assert {path: lines for path, lines in built.items() if lines} == {}
+
+
+def test_the_nodes_working_buffers_are_excluded_from_dumps(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from cache.working_cache import FRESH_BUFFER_HOOKS, BufferPool
+    from node.hygiene import exclude_from_dumps
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("madvise(MADV_DONTDUMP) is Linux's")
+    monkeypatch.setattr("cache.working_cache.FRESH_BUFFER_HOOKS", [*FRESH_BUFFER_HOOKS, exclude_from_dumps])
+    buffer = BufferPool().take(0, torch.empty(1), (1, 8, 4096, 64))  # 8 MiB: its own mapping, whole pages
+    assert "dd" in vm_flags(buffer.data_ptr() + buffer.numel() * buffer.element_size() // 2)
