@@ -112,8 +112,6 @@ class _Sealed:
     nonces: list[bytes]
     skeleton: Any
     """The payload's structure with meta tensors: shapes and dtypes, no data."""
-    window: tuple[int, int]
-    """The token rows of the sealed K/V this part covers: all of them until a split cuts the span."""
 
 
 @dataclass(slots=True)
@@ -124,6 +122,8 @@ class _Part:
     origin: Place | None = None
     """Where the part was sealed: the associated data its messages open with. Kept by the arena beside the
     ciphertext, not in it, so ciphertext moved to another entry does not open."""
+    window: tuple[int, int] = (0, 0)
+    """The token rows of the sealed K/V this part covers: all of them until a split cuts the span."""
 
 
 @dataclass(slots=True)
@@ -283,11 +283,10 @@ class StateArena:
             parts = [_Part(half, None, state_bytes(half)) for half in halves]
         else:
             assert span.sealed is not None
-            lo, hi = span.sealed.window
+            lo, hi = span.window
             per_token = span.nbytes // (hi - lo)
             span.sealed.blob.users += 2
-            parts = [_Part(None, _Sealed(span.sealed.blob, span.sealed.nonces, span.sealed.skeleton, window),
-                           per_token * (window[1] - window[0]), span.origin)
+            parts = [_Part(None, span.sealed, per_token * (window[1] - window[0]), span.origin, window)
                      for window in ((lo, lo + offset), (lo + offset, hi))]
         entry.snapshot = None  # moves to the right half as it is
         if snapshot is not None:
@@ -320,7 +319,7 @@ class StateArena:
             _zero(opened)
             raise SealedEntryError([handle]) from None
         self.scratch.extend(_tensors(opened))
-        lo, hi = sealed.window
+        lo, hi = part.window
         if kind == "span" and (lo, hi) != (0, _tensors(opened)[0].shape[2]):
             return _map(opened, lambda t: t[:, :, lo:hi])
         return opened
@@ -356,7 +355,7 @@ class StateArena:
         layers' buffers, a block cut by `start` or `take` through a scratch block."""
         assert entry.span.sealed is not None and entry.span.origin is not None and self.sealer is not None
         sealed = entry.span.sealed
-        lo = sealed.window[0]
+        lo = entry.span.window[0]
         start, take = lo + start, lo + take  # rows of the sealed tensors (a split span is a window on them)
         sizes = _message_sizes(sealed.skeleton)
         outs, copies, index = [], [], 0
@@ -446,7 +445,8 @@ class StateArena:
         for tensor in tensors:
             tensor.zero_()
         rows = entry.end - entry.start if kind == "span" else 0
-        part.plain, part.sealed, part.origin = None, _Sealed(_Blob(blob), nonces, skeleton, (0, rows)), place
+        part.plain, part.sealed = None, _Sealed(_Blob(blob), nonces, skeleton)
+        part.origin, part.window = place, (0, rows)
         self._add(part, 1)
         return True
 

@@ -109,7 +109,7 @@ def test_a_sealed_span_splits_into_windows_on_its_ciphertext(monkeypatch: pytest
     [sealed] = [e.span.sealed for e in arena._entries.values()]
     assert sealed is not None
     cache.store(ALICE, list(range(6)) + [60, 61], state_of(list(range(6)) + [60, 61]))  # splits it at 6
-    windows = sorted(e.span.sealed.window for e in arena._entries.values() if e.span.sealed is not None)
+    windows = sorted(e.span.window for e in arena._entries.values() if e.span.sealed is not None)
     assert windows == [(0, 6), (6, 10)] and sealed.blob.users == 2
     assert arena.bytes_total == 12 * BYTES_PER_TOKEN
     for prompt, want in [(list(range(10)), list(range(9))), (list(range(6)) + [60, 61, 0], [0, 1, 2, 3, 4, 5, 60, 61]),

@@ -62,19 +62,28 @@ def test_a_sealed_hit_equals_reuse_off(loaded: LoadedModel) -> None:
     assert got == run(plain, ALICE, follow)[0]
 
 
-def test_an_entry_that_fails_to_open_is_dropped_counted_and_recomputed(loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("tamper", ["flipped", "moved", "other scope"])
+def test_an_entry_that_fails_to_open_is_dropped_counted_and_recomputed(loaded: LoadedModel, tamper: str) -> None:
     sealed, plain = sealed_runner(loaded), Runner(loaded, None)
     history = tokens(4, 120)
     run(sealed, ALICE, history, boundaries=(60,))
+    run(sealed, ALICE, history[:40] + tokens(9, 60))  # a second branch: two sealed spans of alice's to swap
     run(sealed, BOB, tokens(5, 50))
     arena = arena_of(sealed)
-    blobs = {id(e.span.sealed.blob): e.span.sealed.blob for e in arena._entries.values()
-             if e.scope == ALICE and e.span.sealed is not None}
-    for blob in blobs.values():
-        blob.data[-1] ^= 1  # the last message of each of alice's sealed spans is altered
+    alices = [e for e in arena._entries.values() if e.scope == ALICE and e.span.sealed is not None]
+    if tamper == "flipped":
+        for blob in {id(e.span.sealed.blob): e.span.sealed.blob for e in alices}.values():
+            blob.data[-1] ^= 1  # the last message of each of alice's sealed spans is altered
+    elif tamper == "moved":
+        blobs = {id(e.span.sealed.blob): e.span for e in alices}  # two spans sealed apart (not a split's halves)
+        first, second = list(blobs.values())[:2]
+        first.sealed, second.sealed = second.sealed, first.sealed  # each in the other's place
+    else:
+        for entry in alices:
+            entry.scope = BOB  # a bug hands alice's entries to bob's key
     follow = history + tokens(6, 10)
     got, restored, _ = run(sealed, ALICE, follow)
-    assert restored == 0 and arena.open_failures >= 1
+    assert arena.open_failures >= 1
     assert got == run(plain, ALICE, follow)[0]
 
 
