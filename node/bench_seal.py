@@ -62,7 +62,8 @@ class TtftRow:
 
 
 def cipher_rates(total_mib: int, runs: int) -> list[CipherRow]:
-    """Seal and open `total_mib` of 256 KiB messages with the node's Sealer, one thread then all cores."""
+    """Seal and open `total_mib` of state-shaped messages (one head's `BLOCK_TOKENS` tokens at head dim 64) with
+    the node's Sealer, one thread then all cores."""
     from cache.arena import BLOCK_TOKENS
     from cache.scope import Scope
     from cache.sealing import TAG_BYTES, Place, Sealer
