@@ -59,10 +59,13 @@ Piece = KVPiece | RecurrentPiece
 
 
 class FullAttentionAdapter:
-    def span(self, layer: Any, start: int, end: int) -> KVPiece:
+    def span(self, layer: Any, start: int, end: int, borrow: bool = False) -> KVPiece:
+        """The layer's K/V of tokens `[start, end)`: copies, or with `borrow` views of the working buffers (valid
+        until the next working cache takes them)."""
         if isinstance(layer, GrowableKVLayer):
             layer.materialize()
-        return KVPiece(layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone())
+        keys, values = layer.keys[:, :, start:end], layer.values[:, :, start:end]
+        return KVPiece(keys, values) if borrow else KVPiece(keys.clone(), values.clone())
 
     def restore_span(self, layer: Any, piece: KVPiece, start: int, end: int) -> None:
         """Pooled working layers take the stored piece by reference (stored pieces never change); the copy
@@ -197,9 +200,13 @@ class ModelStateAdapter:
                         for slot, layer in enumerate(cache.layers)]
         return cache
 
-    def extract(self, cache: DynamicCache, start: int, end: int) -> SpanState:
-        return tuple(self._full.span(layer, start, end) if spec.keeps_spans else None
+    def extract(self, cache: DynamicCache, start: int, end: int, borrow: bool = False) -> SpanState:
+        return tuple(self._full.span(layer, start, end, borrow) if spec.keeps_spans else None
                      for spec, layer in zip(self.specs, cache.layers, strict=True))
+
+    def own(self, state: SpanState) -> SpanState:
+        """Copies of a borrowed span's views."""
+        return tuple(None if p is None else KVPiece(p.keys.clone(), p.values.clone()) for p in state)
 
     def snapshot(self, cache: DynamicCache) -> Snapshot:
         return tuple(tuple(adapter.snapshot(layer) for _, adapter in components)

@@ -125,6 +125,16 @@ class _Part:
     ciphertext, not in it, so ciphertext moved to another entry does not open."""
     window: tuple[int, int] = (0, 0)
     """The token rows of the sealed K/V this part covers: all of them until a split cuts the span."""
+    borrowed: bool = False
+    """`plain` is views of the working buffers (the hot working cache), not the arena's own memory: sealed
+    straight from there after the reply, never zeroed by the arena, copied if it must outlive them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Borrowed:
+    """A span handed to `put` as views of the working buffers: sealed from them without a copy."""
+
+    span: SpanState
 
 
 @dataclass(slots=True)
@@ -157,7 +167,7 @@ def _shred(part: _Part | None) -> None:
     """Zero a part's memory, plaintext or sealed, before it is let go."""
     if part is None:
         return
-    if part.plain is not None:
+    if part.plain is not None and not part.borrowed:
         _zero(part.plain)
     if part.sealed is not None:
         part.sealed.blob.users -= 1
@@ -186,6 +196,7 @@ class StateArena:
         """The part of `bytes_total` held in plaintext."""
         self.sealed_bytes = 0
         self.open_failures = 0
+        self._borrowed: set[SpanHandle] = set()
         self.written = 0
         """The highest working-buffer row an opening wrote since the engine last read it (rows past a restore's
         length included: they hold state until overwritten or wiped)."""
@@ -211,8 +222,21 @@ class StateArena:
         else:
             self.sealed_bytes += sign * part.nbytes
 
-    def put(self, scope: Scope, start: int, end: int, span: SpanState) -> SpanHandle:
+    def put(self, scope: Scope, start: int, end: int, span: SpanState | Borrowed) -> SpanHandle:
+        if isinstance(span, Borrowed):
+            handle = self._insert(scope, start, end, _Part(span.span, None, state_bytes(span.span), borrowed=True))
+            self._borrowed.add(handle)
+            return handle
         return self._insert(scope, start, end, _Part(span, None, state_bytes(span)))
+
+    def own_borrowed(self) -> None:
+        """Copy every part still borrowing the working buffers, which the next working cache overwrites."""
+        for handle in list(self._borrowed):
+            entry = self._entries.get(handle)
+            if entry is not None and entry.span.borrowed and entry.span.plain is not None:
+                entry.span.plain = self._adapters[entry.scope.model].own(entry.span.plain)
+                entry.span.borrowed = False
+        self._borrowed.clear()
 
     def _insert(self, scope: Scope, start: int, end: int, part: _Part) -> SpanHandle:
         handle = SpanHandle(next(self._next))
@@ -404,6 +428,7 @@ class StateArena:
         most `DEFER_BYTES` are left over the hot tier (an entry it interrupts stays plaintext, sealed by the
         next pass): the plaintext beyond the hot tier stays bounded under any load."""
         if self.sealer is None or self.hot_bytes <= self.plaintext_bytes:
+            self.own_borrowed()
             return 0
         sealed, given_way = 0, stop
 
@@ -418,16 +443,20 @@ class StateArena:
             for kind, part in (("span", entry.span), ("snapshot", entry.snapshot)):
                 if part is not None and part.plain is not None:
                     if not self._seal(handle, entry, kind, part, stop):
+                        self.own_borrowed()
                         return sealed
                     sealed += part.nbytes
+        self.own_borrowed()  # what stays in the hot tier
         return sealed
 
     @torch.inference_mode()
     def _seal(self, handle: SpanHandle, entry: _Entry, kind: str, part: _Part, stop: Callable[[], bool]) -> bool:
         """Seal one part in batches of messages; False (nothing changed) when `stop()` interrupts it."""
         assert self.sealer is not None
-        tensors = [t if t.is_contiguous() else t.contiguous() for t in _tensors(part.plain)]
-        messages = [_bytes(_part(t, b)) for t in tensors for b in _blocks(t)]
+        tensors = _tensors(part.plain)
+        # One head's rows are contiguous also in a view of the working buffers: sealed where they lie.
+        messages = [_bytes(m if m.is_contiguous() else m.contiguous())
+                    for t in tensors for m in (_part(t, b) for b in _blocks(t))]
         blob = bytearray(sum(m.nbytes for m in messages) + TAG_BYTES * len(messages))
         nonces: list[bytes] = []
         place = Place(handle, entry.start, entry.end, kind)
@@ -442,11 +471,10 @@ class StateArena:
             offset = end
         skeleton = _map(part.plain, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
         self._add(part, -1)
-        _zero(part.plain)
-        for tensor in tensors:
-            tensor.zero_()
+        if not part.borrowed:  # the working buffers are the hot working cache: the engine wipes them
+            _zero(part.plain)
         rows = entry.end - entry.start if kind == "span" else 0
-        part.plain, part.sealed = None, _Sealed(_Blob(blob), nonces, skeleton)
+        part.plain, part.sealed, part.borrowed = None, _Sealed(_Blob(blob), nonces, skeleton), False
         part.origin, part.window = place, (0, rows)
         self._add(part, 1)
         return True

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from cache.adapters import Snapshot
-from cache.arena import Scope, SealedEntryError, StateArena
+from cache.arena import Borrowed, Scope, SealedEntryError, StateArena
 from cache.prefix_cache import PrefixCache, StoreResult
 from cache.radix_tree import common_prefix_length
 from cache.snapshot_policy import SnapshotPolicy
@@ -142,6 +142,8 @@ class Runner:
             return DynamicCache(config=self.loaded.model.config), 0, 0
         if self.prefix_cache is None:  # reuse off: still the working cache, which the CPU decoder writes in place
             return state.new_cache(capacity)[0], 0, 0
+        assert self.arena is not None
+        self.arena.own_borrowed()  # no-op after `settle`; the new working cache overwrites the buffers
         # At least one prompt token is always computed: its logits choose the first output token.
         for _ in range(2):
             lease = self.prefix_cache.acquire(scope, prompt, limit=len(prompt) - 1,
@@ -170,8 +172,9 @@ class Runner:
             return StoreResult(len(tokens), 0)
         state = self.loaded.state
         state.materialize(cache)  # stored spans are cut from the buffers, which must hold every row
-        result = self.prefix_cache.store(scope, tokens, lambda start, end: state.extract(cache, start, end),
-                                         snapshots)
+        # Views of the working buffers: `settle` seals them from there (or copies them) before they are reused.
+        result = self.prefix_cache.store(
+            scope, tokens, lambda start, end: Borrowed(state.extract(cache, start, end, borrow=True)), snapshots)
         self._hot = (scope, tuple(tokens))
         return result
 
