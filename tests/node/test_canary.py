@@ -173,7 +173,13 @@ def readable_regions(pid: int) -> list[Region]:
         start, end = (int(part, 16) for part in fields[0].split("-"))
         name = fields[5].strip() if len(fields) > 5 else ""
         if fields[1].startswith("r") and name not in ("[vvar]", "[vvar_vclock]", "[vsyscall]"):
-            regions.append(Region(start, end, fields[1], name))
+            last = regions[-1] if regions else None
+            if last is not None and last.end == start and last.perms == fields[1] and last.name == name:
+                # One allocation split into mappings (madvise(MADV_DONTDUMP) on its whole pages does that): read
+                # as one, or a row across the split would be missed.
+                regions[-1] = Region(last.start, end, last.perms, name)
+            else:
+                regions.append(Region(start, end, fields[1], name))
     return regions
 
 
