@@ -62,37 +62,47 @@ class TtftRow:
 
 
 def cipher_rates(total_mib: int, runs: int) -> list[CipherRow]:
-    """Seal and open `total_mib` of state-shaped messages (one head's `BLOCK_TOKENS` tokens at head dim 64) with
-    the node's Sealer, one thread then all cores."""
+    """Seal and open `total_mib` of state laid out as the working cache holds it (layers of K/V `[1, 8 heads,
+    tokens, 64]` in float32, one message per head and `BLOCK_TOKENS` tokens) with the node's Sealer, one
+    thread then all cores: the rate a sealed hit's opening can reach, into buffers already touched."""
+    import torch
+
     from cache.arena import BLOCK_TOKENS
     from cache.scope import Scope
     from cache.sealing import TAG_BYTES, Place, Sealer
 
-    message = BLOCK_TOKENS * 64 * 4
-    count = max(1, total_mib * 1024 * 1024 // message)
-    plain = [bytearray(os.urandom(message)) for _ in range(count)]
-    opened = [bytearray(message) for _ in range(count)]
-    sealed = bytearray(count * (message + TAG_BYTES))
+    heads, head_dim = 8, 64
+    per_layer = heads * BLOCK_TOKENS * head_dim * 4
+    layers = max(1, total_mib * 1024 * 1024 // per_layer)
+    plain = torch.randn(layers, heads, BLOCK_TOKENS, head_dim)
+    opened = torch.zeros_like(plain)
+
+    def messages(state: torch.Tensor) -> list[Any]:
+        return [state[layer, head].reshape(-1).view(torch.uint8).numpy()
+                for layer in range(layers) for head in range(heads)]
+
+    plain_parts, opened_parts = messages(plain), messages(opened)
+    message = plain_parts[0].nbytes
+    sealed = bytearray(len(plain_parts) * (message + TAG_BYTES))
     cores = len(os.sched_getaffinity(0))
     scope, place = Scope("bench", "bench"), Place(1, 0, BLOCK_TOKENS, "span")
     rates: dict[tuple[str, int], float] = {}
     for threads in (1, cores):
         sealer = Sealer(threads)
-        nonces: list[bytes] = []
         seal_s, open_s = [], []
         for _ in range(runs + 1):  # the first of each is a warm-up
             started = time.perf_counter()
-            nonces = sealer.seal(scope, place, plain, sealed)
+            nonces = sealer.seal(scope, place, plain_parts, sealed)
             seal_s.append(time.perf_counter() - started)
-            jobs = sealer.open_jobs(scope, place, nonces, sealed, opened)
+            jobs = sealer.open_jobs(scope, place, nonces, sealed, opened_parts)
             started = time.perf_counter()
             sealer.run_open(jobs)
             open_s.append(time.perf_counter() - started)
-        size = count * message / GIB
+        size = plain.numel() * plain.element_size() / GIB
         rates[("seal", threads)] = size / statistics.median(seal_s[1:])
         rates[("open", threads)] = size / statistics.median(open_s[1:])
-        if opened != plain:
-            raise BenchError("an opened message differs from what was sealed")
+        if not torch.equal(opened, plain):
+            raise BenchError("opened state differs from what was sealed")
     return [CipherRow(op, rates[(op, 1)], rates[(op, cores)], cores) for op in ("seal", "open")]
 
 
