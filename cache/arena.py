@@ -96,7 +96,17 @@ def _bytes(tensor: torch.Tensor) -> Any:
 
 
 def _message_sizes(skeleton: Any) -> list[int]:
-    return [_part(t, b).numel() * t.element_size() for t in _tensors(skeleton) for b in _blocks(t)]
+    """The byte size of each message `_blocks` cuts the payload into, from shapes alone."""
+    sizes = []
+    for tensor in _tensors(skeleton):
+        for index, start, end in _blocks(tensor):
+            if index < 0:
+                sizes.append(tensor.numel() * tensor.element_size())
+            elif tensor.dim() == 4:
+                sizes.append((end - start) * tensor.shape[3] * tensor.element_size())
+            else:
+                sizes.append(tensor.numel() // tensor.shape[1] * tensor.element_size())
+    return sizes
 
 
 @dataclass(slots=True)
