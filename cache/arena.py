@@ -405,17 +405,19 @@ class StateArena:
             # that `take` cuts opens in place when it fits, else through a scratch block.
             *rows, cache_row = adapter.span_rows(cache, layer_index, keys, values, take - start, spare=BLOCK_TOKENS)
             for meta, target in ((keys, rows[0]), (values, rows[1])):
-                for block in _blocks(meta):
-                    head, first, end = block
+                # One byte view of the layer's rows, `[heads, rows, head_dim * itemsize]`: a message's target is
+                # a slice of it (a head's rows are contiguous), far cheaper than a tensor view per message.
+                target_bytes = target[0].view(torch.uint8).numpy()
+                for head, first, end in _blocks(meta):
                     if end > start and first < take:
                         if first >= start and end - start <= target.shape[2]:
-                            out = target[0, head, first - start:end - start]
+                            out = target_bytes[head, first - start:end - start]
                             self.written = max(self.written, cache_row + end - start)
                         else:
-                            out = torch.empty((end - first, meta.shape[-1]), dtype=meta.dtype)
-                            copies.append((out, target[0, head], first, end))
-                        outs.append((index, sealed.nonces[index], blob[offsets[index]:offsets[index + 1]],
-                                     _bytes(out)))
+                            scratch = torch.empty((end - first, meta.shape[-1]), dtype=meta.dtype)
+                            copies.append((scratch, target[0, head], first, end))
+                            out = _bytes(scratch)
+                        outs.append((index, sealed.nonces[index], blob[offsets[index]:offsets[index + 1]], out))
                     index += 1
         jobs = self.sealer.open_jobs_at(entry.scope, entry.span.origin, outs)
         try:
