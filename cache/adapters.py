@@ -175,8 +175,9 @@ class ModelStateAdapter:
         left in the buffers; returns the cache and the tokens it starts with (`adopt` or 0).
         """
         last, self._last = self._last, None
-        if adopt and last is not None and all(isinstance(layer, GrowableKVLayer) for layer in last.layers):
-            # The last working cache itself, cut back: no layer objects or buffer views to rebuild.
+        if last is not None and all(isinstance(layer, GrowableKVLayer) for layer in last.layers):
+            # The last working cache itself, cut back (to nothing without `adopt`): no layer objects or buffer
+            # views to rebuild.
             if all(layer.truncate(adopt, capacity) for layer in last.layers):  # type: ignore[union-attr]
                 self._last = last
                 return last, adopt

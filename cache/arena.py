@@ -95,20 +95,6 @@ def _bytes(tensor: torch.Tensor) -> Any:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-def _message_sizes(skeleton: Any) -> list[int]:
-    """The byte size of each message `_blocks` cuts the payload into, from shapes alone."""
-    sizes = []
-    for tensor in _tensors(skeleton):
-        for index, start, end in _blocks(tensor):
-            if index < 0:
-                sizes.append(tensor.numel() * tensor.element_size())
-            elif tensor.dim() == 4:
-                sizes.append((end - start) * tensor.shape[3] * tensor.element_size())
-            else:
-                sizes.append(tensor.numel() // tensor.shape[1] * tensor.element_size())
-    return sizes
-
-
 @dataclass(slots=True)
 class _Blob:
     """Ciphertext, shared by the halves of a split sealed span; zeroed when the last of them goes."""
@@ -123,6 +109,8 @@ class _Sealed:
     nonces: list[bytes]
     skeleton: Any
     """The payload's structure with meta tensors: shapes and dtypes, no data."""
+    offsets: list[int]
+    """Where each message starts in the blob, and its end: one more than the messages."""
 
 
 @dataclass(slots=True)
@@ -392,9 +380,8 @@ class StateArena:
         sealed = entry.span.sealed
         lo = entry.span.window[0]
         start, take = lo + start, lo + take  # rows of the sealed tensors (a split span is a window on them)
-        sizes = _message_sizes(sealed.skeleton)
+        offsets = sealed.offsets
         outs, copies, index = [], [], 0
-        offsets = list(itertools.accumulate([0] + [size + TAG_BYTES for size in sizes]))
         pieces = iter(_tensors(sealed.skeleton))
         blob = memoryview(sealed.blob.data)
         for layer_index, piece in enumerate(sealed.skeleton):
@@ -486,7 +473,8 @@ class StateArena:
         if not part.borrowed:  # the working buffers are the hot working cache: the engine wipes them
             _zero(part.plain)
         rows = entry.end - entry.start if kind == "span" else 0
-        part.plain, part.sealed, part.borrowed = None, _Sealed(_Blob(blob), nonces, skeleton), False
+        offsets = list(itertools.accumulate([0] + [m.nbytes + TAG_BYTES for m in messages]))
+        part.plain, part.sealed, part.borrowed = None, _Sealed(_Blob(blob), nonces, skeleton, offsets), False
         part.origin, part.window = place, (0, rows)
         self._add(part, 1)
         return True
