@@ -243,9 +243,6 @@ class StateArena:
         self._add(part, 1)
         return handle
 
-    def scope(self, handle: SpanHandle) -> Scope:
-        return self._entries[handle].scope
-
     def nbytes(self, handle: SpanHandle) -> int:
         return self._entries[handle].nbytes
 
@@ -311,20 +308,11 @@ class StateArena:
             span.sealed.blob.users += 2
             parts = [_Part(None, span.sealed, per_token * (window[1] - window[0]), span.origin, window)
                      for window in ((lo, lo + offset), (lo + offset, hi))]
-        entry.snapshot = None  # moves to the right half as it is
-        if snapshot is not None:
-            self._account(scope, -snapshot.nbytes)
-            self._add(snapshot, -1)
-            self.snapshot_bytes -= snapshot.nbytes
+        entry.snapshot = None  # moves to the right half as it is, its bytes counted all along
         self.free(handle)
         left = self._insert(scope, start, start + offset, parts[0])
         right = self._insert(scope, start + offset, end, parts[1])
-        if snapshot is not None:
-            moved = self._entries[right]
-            moved.snapshot = snapshot
-            self._account(scope, snapshot.nbytes)
-            self._add(snapshot, 1)
-            self.snapshot_bytes += snapshot.nbytes
+        self._entries[right].snapshot = snapshot
         return left, right
 
     def _plain(self, handle: SpanHandle, entry: _Entry, kind: str, part: _Part) -> Any:

@@ -119,9 +119,6 @@ class Sealer:
         """Destroy the scope's key: nothing sealed under it opens again."""
         self._keys.pop(scope, None)
 
-    def associated_data(self, scope: Scope, place: Place, index: int) -> bytes:
-        return self._ad_prefix(scope, place) + struct.pack(">I", index)
-
     def _ad_prefix(self, scope: Scope, place: Place) -> bytes:
         """Everything of an entry's associated data but the message index (built once per entry, not per message)."""
         caller, model = scope.caller.encode(), scope.model.encode()
@@ -144,35 +141,27 @@ class Sealer:
         TAG_BYTES per part."""
         key = self._key(scope)
         nonces = [key.nonce() for _ in parts]
-        view = memoryview(out)
+        view, prefix = memoryview(out), self._ad_prefix(scope, place)
         jobs, offset = [], 0
         for index, (part, nonce) in enumerate(zip(parts, nonces, strict=True)):
             size = memoryview(part).nbytes
             out_view = view[offset:offset + size + TAG_BYTES]
-            jobs.append((nonce, part, self.associated_data(scope, place, first + index), out_view))
+            jobs.append((nonce, part, prefix + struct.pack(">I", first + index), out_view))
             offset += size + TAG_BYTES
         self._run(key.aead.encrypt_into, jobs)
         return nonces
 
-    def open_job(self, scope: Scope, place: Place, index: int, nonce: bytes, data: Any, out: Any) -> tuple[Any, ...]:
-        """The decryption of message `index` of an entry into `out`, to run with `run_open` (all messages of a
-        restore in one pass over the pool)."""
-        key = self._keys.get(scope)
-        if key is None:
-            raise SealError("this scope's key is gone: its state was shredded")
-        return key.aead, nonce, data, self.associated_data(scope, place, index), out
-
     def open_jobs(self, scope: Scope, place: Place, nonces: Sequence[bytes], sealed: bytearray,
                   outs: Sequence[Any]) -> list[tuple[Any, ...]]:
         """The decryptions that open every message of an entry into `outs`."""
-        view, jobs, offset = memoryview(sealed), [], 0
+        view, messages, offset = memoryview(sealed), [], 0
         for index, (nonce, out) in enumerate(zip(nonces, outs, strict=True)):
             size = memoryview(out).nbytes
-            jobs.append(self.open_job(scope, place, index, nonce, view[offset:offset + size + TAG_BYTES], out))
+            messages.append((index, nonce, view[offset:offset + size + TAG_BYTES], out))
             offset += size + TAG_BYTES
         if offset != len(sealed):
             raise SealError("a sealed entry does not have the size its layout says")
-        return jobs
+        return self.open_jobs_at(scope, place, messages)
 
     def run_open(self, jobs: Sequence[tuple[Any, ...]]) -> None:
         def some(share: Sequence[tuple[Any, ...]]) -> None:

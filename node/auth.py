@@ -27,25 +27,19 @@ class KeyRing:
         self._by_name: dict[str, Caller] = {}
         self._on_removed = on_removed
         """Called with the name of each caller that left the config: its state and keys are destroyed."""
-        self._refresh()
-
-    def refresh(self) -> None:
-        """Re-read the config if it changed (the node calls this every `REFRESH_S`, and on each request)."""
-        self._refresh()
+        self.refresh()
 
     def ttl_of(self, name: str) -> float | None:
         caller = self._by_name.get(name)
         return None if caller is None else caller.ttl_s
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
+        """Re-read the config if it changed (the node calls this every `KEY_REFRESH_S`, and on each request)."""
         try:
             stat = os.stat(self._path)
         except FileNotFoundError:
-            gone = set(self._by_name)
-            self._by_hash, self._by_name, self._stamp = {}, {}, None
-            if self._on_removed is not None:
-                for name in sorted(gone):
-                    self._on_removed(name)
+            self._stamp = None
+            self._use(())
             return
         stamp = (stat.st_mtime_ns, stat.st_size)
         if stamp != self._stamp:
@@ -55,12 +49,15 @@ class KeyRing:
             except (ConfigError, OSError, ValueError, TypeError, AttributeError) as exc:
                 log.error("%s is invalid; the last good keys stay in force: %s", Safe(self._path), Safe(exc))
                 return
-            gone = set(self._by_name) - {caller.name for caller in callers}
-            self._by_hash = {caller.key_sha256: caller for caller in callers}
-            self._by_name = {caller.name: caller for caller in callers}
-            if self._on_removed is not None:
-                for name in sorted(gone):
-                    self._on_removed(name)
+            self._use(callers)
+
+    def _use(self, callers: tuple[Caller, ...]) -> None:
+        gone = set(self._by_name) - {caller.name for caller in callers}
+        self._by_hash = {caller.key_sha256: caller for caller in callers}
+        self._by_name = {caller.name: caller for caller in callers}
+        if self._on_removed is not None:
+            for name in sorted(gone):
+                self._on_removed(name)
 
     def caller_for(self, authorization: str | None) -> Caller:
         """The caller of an `Authorization` header value; raises a 401 ApiError otherwise."""
@@ -71,7 +68,7 @@ class KeyRing:
             raise unauthorized("malformed Authorization header: expected 'Bearer <key>'")
         if not key.isascii():  # keys are ASCII; a header with other bytes is no key (and never a 500)
             raise unauthorized("invalid API key")
-        self._refresh()
+        self.refresh()
         digest = hash_key(key.strip())
         for known, caller in self._by_hash.items():
             if hmac.compare_digest(known, digest):
