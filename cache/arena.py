@@ -23,11 +23,11 @@ import torch
 
 from cache.adapters import KVPiece, ModelStateAdapter, RecurrentPiece, Snapshot, SpanState, state_bytes
 from cache.budget import CacheBudget
-from cache.prefix_cache import PrefixCache
+from cache.prefix_cache import ColdPass, PrefixCache
 from cache.scope import Scope, SpanHandle
 from cache.sealing import TAG_BYTES, Place, Sealer, SealError
 
-__all__ = ["BLOCK_TOKENS", "Scope", "SealedEntryError", "SpanHandle", "StateArena", "new_prefix_cache"]
+__all__ = ["BLOCK_TOKENS", "Scope", "SealCost", "SealedEntryError", "SpanHandle", "StateArena", "new_prefix_cache"]
 
 Payload = SpanState | Snapshot
 BLOCK_TOKENS = 4096
@@ -39,6 +39,26 @@ SEAL_BATCH = 8
 DEFER_BYTES = 32 * 1024 * 1024
 """Plaintext over the hot tier that may wait for the next pass while requests queue (1k tokens of the default
 model); beyond it a waiting request waits for the seal."""
+
+
+@dataclass(frozen=True, slots=True)
+class SealCost:
+    """One model's price of keeping state sealed, measured at load: opening a stored byte against computing a
+    token again. Where opening an entry costs more than computing its tokens (small models on fast devices:
+    the cipher runs on the CPU whatever computes), the entry is dropped instead of sealed."""
+
+    open_s_per_byte: float
+    recompute_s_per_token: float
+    sample_bytes: int
+    sample_tokens: int
+    """The measured entry: when even it is not worth sealing, nothing of the model is kept past the hot tier."""
+
+    def worth_sealing(self, nbytes: int, tokens: int) -> bool:
+        return nbytes * self.open_s_per_byte <= max(tokens, 1) * self.recompute_s_per_token
+
+    @property
+    def model_worth_sealing(self) -> bool:
+        return self.worth_sealing(self.sample_bytes, self.sample_tokens)
 
 
 class SealedEntryError(SealError):
@@ -184,6 +204,7 @@ class StateArena:
         self.plaintext_bytes = plaintext_bytes
         self._entries: dict[SpanHandle, _Entry] = {}
         self._adapters: dict[str, ModelStateAdapter] = {}
+        self._costs: dict[str, SealCost] = {}
         self._caller_bytes: defaultdict[str, int] = defaultdict(int)
         self._next = itertools.count(1)
         self._clock = itertools.count(1).__next__
@@ -194,6 +215,8 @@ class StateArena:
         """The part of `bytes_total` held in plaintext."""
         self.sealed_bytes = 0
         self.open_failures = 0
+        self.unsealed_drops = 0
+        """Entries dropped rather than sealed: opening them would cost more than computing them again."""
         self._borrowed: set[SpanHandle] = set()
         self.written = 0
         """The highest working-buffer row an opening wrote since the engine last read it (rows past a restore's
@@ -201,8 +224,11 @@ class StateArena:
         self.scratch: list[torch.Tensor] = []
         """Plaintext opened for the current request outside the working buffers; zeroed by `wipe_scratch`."""
 
-    def register_model(self, model: str, adapter: ModelStateAdapter) -> None:
+    def register_model(self, model: str, adapter: ModelStateAdapter, cost: SealCost | None = None) -> None:
+        """`cost` None: every entry of the model is worth sealing."""
         self._adapters[model] = adapter
+        if cost is not None:
+            self._costs[model] = cost
 
     @property
     def sealing(self) -> bool:
@@ -409,32 +435,44 @@ class StateArena:
 
     # -- tiers --------------------------------------------------------------------------------------------
 
-    def seal_cold(self, stop: Callable[[], bool] = lambda: False) -> int:
-        """Seal plaintext, least recently used first, until the hot tier holds at most `plaintext_bytes`;
-        returns the bytes sealed. Every `SEAL_BATCH` messages, a waiting request (`stop()`) goes first, once at
-        most `DEFER_BYTES` are left over the hot tier (an entry it interrupts stays plaintext, sealed by the
-        next pass): the plaintext beyond the hot tier stays bounded under any load."""
+    def seal_cold(self, stop: Callable[[], bool] = lambda: False) -> ColdPass:
+        """Seal plaintext, least recently used first, until the hot tier holds at most `plaintext_bytes`.
+        Entries not worth sealing (`SealCost`) are left as they are and named in the result, for the index to
+        drop. Every `SEAL_BATCH` messages, a waiting request (`stop()`) goes first, once at most `DEFER_BYTES`
+        are left over the hot tier (an entry it interrupts stays plaintext, sealed by the next pass): the
+        plaintext beyond the hot tier stays bounded under any load."""
         if self.sealer is None or self.hot_bytes <= self.plaintext_bytes:
             self.own_borrowed()
-            return 0
-        sealed, given_way = 0, stop
+            return ColdPass(0, ())
+        sealed, unkept, unkept_bytes, given_way = 0, [], 0, stop
 
         def stop_now() -> bool:
-            return self.hot_bytes - self.plaintext_bytes <= DEFER_BYTES and given_way()
+            return self.hot_bytes - unkept_bytes - self.plaintext_bytes <= DEFER_BYTES and given_way()
 
         stop = stop_now
         for _, handle in sorted((entry.last_used, handle) for handle, entry in self._entries.items() if entry.hot):
-            if self.hot_bytes <= self.plaintext_bytes or stop():
+            if self.hot_bytes - unkept_bytes <= self.plaintext_bytes or stop():
                 break
             entry = self._entries[handle]
+            cost = self._costs.get(entry.scope.model)
+            if cost is not None and not cost.worth_sealing(entry.nbytes, entry.end - entry.start):
+                unkept.append((entry.scope, handle))
+                unkept_bytes += sum(part.nbytes for part in (entry.span, entry.snapshot)
+                                    if part is not None and part.plain is not None)
+                continue
             for kind, part in (("span", entry.span), ("snapshot", entry.snapshot)):
                 if part is not None and part.plain is not None:
                     if not self._seal(handle, entry, kind, part, stop):
-                        self.own_borrowed()
-                        return sealed
+                        return self._cold_pass(sealed, unkept)
                     sealed += part.nbytes
-        self.own_borrowed()  # what stays in the hot tier
-        return sealed
+        return self._cold_pass(sealed, unkept)
+
+    def _cold_pass(self, sealed: int, unkept: list[tuple[Scope, SpanHandle]]) -> ColdPass:
+        """Own what stays in the hot tier; what the index is about to drop is not copied first."""
+        self._borrowed.difference_update(handle for _, handle in unkept)
+        self.own_borrowed()
+        self.unsealed_drops += len(unkept)
+        return ColdPass(sealed, tuple(unkept))
 
     @torch.inference_mode()
     def _seal(self, handle: SpanHandle, entry: _Entry, kind: str, part: _Part, stop: Callable[[], bool]) -> bool:
@@ -484,7 +522,7 @@ class StateArena:
     def describe(self) -> dict[str, Any]:
         return {"entries": len(self._entries), "bytes": self.bytes_total, "plaintext_bytes": self.hot_bytes,
                 "sealed_bytes": self.sealed_bytes, "hot_tier_bytes": self.plaintext_bytes,
-                "open_failures": self.open_failures}
+                "open_failures": self.open_failures, "unsealed_drops": self.unsealed_drops}
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -26,6 +26,15 @@ from cache.radix_tree import RadixTree, TreeNode
 from cache.scope import Scope, SpanHandle
 
 
+@dataclass(frozen=True, slots=True)
+class ColdPass:
+    """What a pass over the cold plaintext did: bytes sealed, and the entries not worth sealing (opening them
+    would cost more than computing them again), which the index drops."""
+
+    sealed_bytes: int
+    unkept: tuple[tuple[Scope, SpanHandle], ...]
+
+
 class StateStore(Protocol):
     """What the index needs of the arena: metadata by handle, and moving payloads it never looks into."""
 
@@ -41,7 +50,7 @@ class StateStore(Protocol):
     def split(self, handle: SpanHandle, offset: int) -> tuple[SpanHandle, SpanHandle]: ...
     def bytes_of_caller(self, caller: str) -> int: ...
     def forget(self, scope: Scope) -> None: ...
-    def seal_cold(self, stop: Callable[[], bool]) -> int: ...
+    def seal_cold(self, stop: Callable[[], bool]) -> ColdPass: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +258,15 @@ class PrefixCache:
                     freed += 1
         return freed
 
-    def seal_cold(self, stop: Callable[[], bool] = lambda: False) -> int:
-        return self.arena.seal_cold(stop)
+    def seal_cold(self, stop: Callable[[], bool] = lambda: False) -> ColdPass:
+        """Seal cold state; drop what is not worth sealing, with what lies below it (unusable without it)."""
+        cold = self.arena.seal_cold(stop)
+        doomed: dict[Scope, list[SpanHandle]] = {}
+        for scope, handle in cold.unkept:
+            doomed.setdefault(scope, []).append(handle)
+        for scope, handles in doomed.items():
+            self.discard(scope, handles)
+        return cold
 
     def cached_tokens(self, scope: Scope) -> int:
         tree = self._trees.get(scope)

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from cache.adapters import Snapshot
-from cache.arena import Borrowed, Scope, SealedEntryError, StateArena
+from cache.arena import Borrowed, Scope, SealCost, SealedEntryError, StateArena
 from cache.prefix_cache import PrefixCache, StoreResult
 from cache.radix_tree import common_prefix_length
 from cache.snapshot_policy import SnapshotPolicy
@@ -23,6 +23,7 @@ from node.engine.detokenizer import Detokenizer
 from node.engine.loader import LoadedModel
 from node.engine.prediction import Prediction
 from node.engine.sampling import Sampler, SamplingParams
+from node.engine.seal_cost import measure_seal_cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,8 @@ class GenerationResult:
 
 class Runner:
     def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache | None, prefill_chunk: int = 1024,
-                 policy: SnapshotPolicy | None = None) -> None:
+                 policy: SnapshotPolicy | None = None, seal_cost: SealCost | None = None) -> None:
+        """`seal_cost` None: measured now when stored state is sealed (`seal_cost.py`)."""
         self.loaded = loaded
         self.policy = policy or SnapshotPolicy()
         self.prefix_cache = prefix_cache if loaded.state is not None else None
@@ -66,8 +68,16 @@ class Runner:
         if self.prefix_cache is not None and loaded.state is not None:
             assert isinstance(self.prefix_cache.arena, StateArena)
             self.arena = self.prefix_cache.arena
-            self.arena.register_model(loaded.model_id, loaded.state)
+            if seal_cost is None and self.arena.sealer is not None:
+                seal_cost = measure_seal_cost(loaded, self.arena.sealer)
+            self.arena.register_model(loaded.model_id, loaded.state, seal_cost)
             self.prefix_cache.register_model(loaded.model_id, loaded.state.needs_snapshots)
+        self.seal_cost = seal_cost
+        self.keeps_state = (self.arena is not None and (seal_cost is None or seal_cost.model_worth_sealing
+                                                         or self.arena.plaintext_bytes > 0))
+        """False: the model computes its state faster than the node opens it, and no hot tier would hold it
+        plaintext; requests store nothing (billed without cached writes, `retained` false), as under retention
+        none."""
         self.prefill_chunk = prefill_chunk
         # The scope and tokens whose state the working buffers hold from the last request: the hot working cache.
         self._hot: tuple[Scope, tuple[int, ...]] | None = None
@@ -83,7 +93,15 @@ class Runner:
         return {"on": True, "cipher": "AES-256-GCM",
                 "keys": "one per scope (caller, model): HKDF-SHA256 of a boot master key held in memory only",
                 "master_key_locked": arena.sealer.master_locked, "open_threads": arena.sealer.threads,
-                **arena.describe()}
+                **arena.describe(), **self._seal_cost_state()}
+
+    def _seal_cost_state(self) -> dict[str, Any]:
+        cost = self.seal_cost
+        if cost is None:
+            return {}
+        # Measured at load; an entry whose bytes open slower than its tokens compute is dropped, not sealed.
+        return {"open_ms_per_mib": round(cost.open_s_per_byte * 2**20 * 1e3, 4),
+                "recompute_ms_per_token": round(cost.recompute_s_per_token * 1e3, 4), "keeps_state": self.keeps_state}
 
     @property
     def reuse_enabled(self) -> bool:
@@ -250,7 +268,7 @@ class Runner:
             emit(tail)
         fed = prompt + output
         self._dirty = max(self._dirty, len(fed))
-        if not request.retain:
+        if not (request.retain and self.keeps_state):
             return GenerationResult(prompt_tokens=len(prompt), cached_read_tokens=restored, cached_write_tokens=0,
                                     output_ids=output, text=detok.text, finish_reason=finish_reason,
                                     queue_wait_s=queue_wait_s, ttft_s=ttft, retained=False,

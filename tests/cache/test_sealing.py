@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cache import arena as arena_module
-from cache.arena import SealedEntryError, StateArena
+from cache.arena import SealCost, SealedEntryError, StateArena
 from cache.prefix_cache import PrefixCache
 from cache.scope import Scope
 from cache.sealing import TAG_BYTES, Place, Sealer, SealError
@@ -88,7 +88,7 @@ def test_sealed_spans_restore_the_same_state_and_their_plaintext_is_zeroed(monke
     cache.store(ALICE, list(range(5)) + [50, 51, 52], state_of(list(range(5)) + [50, 51, 52]))
     held = [t for entry in arena._entries.values() for t in arena_module._tensors(entry.span.plain)]
     assert arena.hot_bytes == 13 * BYTES_PER_TOKEN
-    assert cache.seal_cold() == 13 * BYTES_PER_TOKEN
+    assert cache.seal_cold().sealed_bytes == 13 * BYTES_PER_TOKEN
     assert arena.hot_bytes == 0 and arena.sealed_bytes == arena.bytes_total == 13 * BYTES_PER_TOKEN
     assert all(not t.any() for t in held)  # the plaintext the seal replaced reads back as zeros
     lease = cache.acquire(ALICE, list(range(5)) + [50, 51, 99], limit=100, anywhere=True)
@@ -129,7 +129,7 @@ def test_the_hot_tier_keeps_the_most_recently_used_in_plaintext() -> None:
     cache.seal_cold()
     assert arena.hot_bytes == 10 * BYTES_PER_TOKEN  # bob's, the latest
     assert [arena.is_sealed(h) for h in sorted(arena._entries)] == [True, False]
-    assert cache.seal_cold(stop=lambda: True) == 0  # a waiting request goes first
+    assert cache.seal_cold(stop=lambda: True).sealed_bytes == 0  # a waiting request goes first
 
 
 def test_tampered_moved_and_misplaced_entries_are_named_and_dropped() -> None:
@@ -201,9 +201,29 @@ def test_a_waiting_request_interrupts_a_seal_which_leaves_the_plaintext_intact(m
     arena = arena_of(cache)
     cache.store(ALICE, list(range(10)), state_of(list(range(10))))
     asked = iter([False, False, True])  # the entry's K/V: 2 layers x 2 tensors x 2 heads = 8 messages
-    assert cache.seal_cold(stop=lambda: next(asked)) == 0
+    assert cache.seal_cold(stop=lambda: next(asked)).sealed_bytes == 0
     assert arena.hot_bytes == 10 * BYTES_PER_TOKEN and arena.sealed_bytes == 0
     lease = cache.acquire(ALICE, list(range(10)), limit=9, anywhere=True)
     assert restored_keys(cache, lease) == list(range(9))
     cache.release(lease)
-    assert cache.seal_cold() == 10 * BYTES_PER_TOKEN
+    assert cache.seal_cold().sealed_bytes == 10 * BYTES_PER_TOKEN
+
+
+@pytest.mark.parametrize("recompute_s_per_token", [1e-9, 1.0])
+def test_state_that_opens_slower_than_it_computes_is_dropped_not_sealed(recompute_s_per_token: float) -> None:
+    cache = sealed_cache()
+    arena = arena_of(cache)
+    arena.register_model("m", arena._adapters["m"], SealCost(1e-9, recompute_s_per_token, 1, 1))
+    cache.store(ALICE, list(range(10)), state_of(list(range(10))))
+    cache.store(ALICE, list(range(5)) + [50, 51, 52], state_of(list(range(5)) + [50, 51, 52]))
+    held = [t for entry in arena._entries.values() for t in arena_module._tensors(entry.span.plain)]
+    cold = cache.seal_cold()
+    if recompute_s_per_token == 1.0:  # opening 1 GiB/s-ish against a second a token: kept, sealed
+        assert (cold.sealed_bytes, cold.unkept, arena.sealed_bytes) == (13 * BYTES_PER_TOKEN, (), 13 * BYTES_PER_TOKEN)
+        return
+    assert cold.sealed_bytes == 0 and len(cold.unkept) == 3 and arena.unsealed_drops == 3
+    assert len(arena) == 0 and arena.bytes_total == arena.hot_bytes == 0 and cache.cached_tokens(ALICE) == 0
+    assert all(not t.any() for t in held)  # dropped plaintext is zeroed like everything freed
+    lease = cache.acquire(ALICE, list(range(10)), limit=9, anywhere=True)
+    assert lease.length == 0
+    cache.release(lease)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache.arena import Scope, StateArena, new_prefix_cache
+from cache.arena import Scope, SealCost, StateArena, new_prefix_cache
 from cache.budget import CacheBudget
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, Runner
@@ -112,3 +112,39 @@ def test_a_removed_caller_leaves_zeros_and_no_key(loaded: LoadedModel) -> None:
     assert all(not any(blob) for blob in blobs) and len(arena) == 0
     assert arena.sealer is not None and not arena.sealer.has_key(ALICE)
     assert all(not buffer[:, :, :98].any() for buffer in pool.values())
+
+
+def test_the_cost_of_sealing_is_measured_at_load_and_these_models_keep_their_state(loaded: LoadedModel) -> None:
+    cost = sealed_runner(loaded).seal_cost
+    assert cost is not None and cost.sample_tokens == 256 and cost.sample_bytes > 0
+    assert cost.open_s_per_byte > 0 and cost.recompute_s_per_token > 0
+    assert cost.model_worth_sealing  # a CPU computes a token slower than it opens the token's state
+
+
+def dropping_runner(loaded: LoadedModel, plaintext_bytes: int = 0) -> Runner:
+    """As on a fast device: a token computes faster than its state opens."""
+    prefix_cache = new_prefix_cache(CacheBudget(1 << 30, 1 << 30), plaintext_bytes=plaintext_bytes)
+    return Runner(loaded, prefix_cache, prefill_chunk=64, seal_cost=SealCost(1.0, 1e-9, 1 << 20, 256))
+
+
+def test_a_model_cheaper_to_compute_than_to_open_stores_nothing_and_bills_no_cached_writes(loaded: LoadedModel
+                                                                                         ) -> None:
+    dropping, plain = dropping_runner(loaded), Runner(loaded, None)
+    history = tokens(6, 100)
+    first, restored, written = run(dropping, ALICE, history, boundaries=(60,))
+    assert (restored, written, len(arena_of(dropping))) == (0, 0, 0)
+    follow = history + first + tokens(7, 12)
+    got, restored, _ = run(dropping, ALICE, follow)
+    assert restored == 0 and got == run(plain, ALICE, follow)[0]
+
+
+def test_with_a_hot_tier_such_state_is_stored_and_dropped_where_it_would_be_sealed(loaded: LoadedModel) -> None:
+    dropping, plain = dropping_runner(loaded, plaintext_bytes=1), Runner(loaded, None)
+    arena = arena_of(dropping)
+    history = tokens(8, 100)
+    first, _, written = run(dropping, ALICE, history, boundaries=(60,))
+    assert written == 100 and arena.unsealed_drops > 0  # over the 1-byte hot tier: dropped, none sealed
+    assert len(arena) == 0 and arena.sealed_bytes == arena.bytes_total == 0
+    follow = history + first + tokens(9, 12)
+    got, restored, _ = run(dropping, ALICE, follow)
+    assert restored == 0 and got == run(plain, ALICE, follow)[0]

@@ -1,0 +1,66 @@
+"""What keeping a model's state sealed costs against computing it again, measured once when the node loads it.
+
+A sealed entry is worth keeping only if opening it is faster than computing its tokens again. On a CPU node the
+model is slow and the cipher fast, so everything is kept; a small model on a GPU computes a token faster than the
+CPU opens its state, and there an entry is dropped instead of sealed (`SealCost`, `StateArena.seal_cold`).
+Both rates are measured through the paths that serve: the engine's forward for a prefill, and the arena's
+seal and restore with the node's own sealer for opening.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cache.arena import SealCost, StateArena
+from cache.scope import Scope
+from cache.sealing import Sealer
+from node.engine.loader import LoadedModel
+
+SAMPLE_TOKENS = 256
+"""Tokens prefilled and sealed to measure: a prompt chunk long enough to run at the prefill's rate."""
+ROUNDS = 2
+"""Each rate is the faster of two rounds: the first may still meet cold code paths."""
+PROBE_MODEL_SUFFIX = "\0seal-cost"
+"""The probe's scope names no model a request can reach, and its key is destroyed once measured."""
+
+
+@torch.inference_mode()
+def measure_seal_cost(loaded: LoadedModel, sealer: Sealer) -> SealCost:
+    """Prefill random tokens, seal their state under a probe scope and open it into a working cache, timing
+    both; the probe's state is zeroed and its key destroyed afterwards."""
+    state = loaded.state
+    assert state is not None
+    tokens = min(SAMPLE_TOKENS, loaded.context_length - 1)
+    vocab = int(loaded.model.config.get_text_config(decoder=True).vocab_size)
+    ids = torch.randint(min(100, vocab - 1), vocab, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    compute_s = []
+    for _ in range(ROUNDS):
+        cache, _ = state.new_cache(tokens)
+        started = time.perf_counter()
+        loaded.forward(ids, 0, cache)
+        compute_s.append(time.perf_counter() - started)
+    state.materialize(cache)
+    scope = Scope("", loaded.model_id + PROBE_MODEL_SUFFIX)
+    probe = StateArena(sealer)
+    probe.register_model(scope.model, state)
+    handle = probe.put(scope, 0, tokens, state.extract(cache, 0, tokens))
+    snapshot = handle if state.needs_snapshots else None
+    if snapshot is not None:
+        probe.attach_snapshot(handle, state.snapshot(cache))
+    probe.seal_cold()
+    open_s = []
+    try:
+        for _ in range(ROUNDS):
+            target, _ = state.new_cache(tokens)
+            started = time.perf_counter()
+            probe.restore(state, target, [(handle, tokens)], skip=0, snapshot=snapshot, position=tokens)
+            open_s.append(time.perf_counter() - started)
+        nbytes = probe.nbytes(handle)
+    finally:
+        probe.free(handle)
+        probe.forget(scope)
+        probe.wipe_scratch()
+        state.wipe_pool(0, tokens)
+    return SealCost(min(open_s) / nbytes, min(compute_s) / tokens, nbytes, tokens)
