@@ -1,0 +1,91 @@
+"""Offline verification of an evidence document: the entry point for auditors, routers and the CLI.
+
+`verify_evidence` returns a `VerificationResult` listing every check that passed, or raises
+`VerificationError` with the reason of the first that failed. Which checks run depends on the
+evidence type, through `HARDWARE_VERIFIERS`; `none` evidence has no hardware to check and passes only
+when the caller allows it, and then the result says it is untrusted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from attestation.chain import TrustRoots, load_trust_roots
+from attestation.checks import Check, CheckSink, Expectations, check_gpu, check_nonce
+from attestation.errors import VerificationError
+from attestation.evidence import Evidence
+from attestation.snp_verify import verify_snp
+from attestation.tdx import verify_tdx
+
+HardwareVerifier = Callable[[Evidence, TrustRoots, Expectations, CheckSink], bytes]
+"""Checks one evidence type's report, emitting each passed check; returns the launch measurement."""
+
+HARDWARE_VERIFIERS: dict[str, HardwareVerifier] = {"sev-snp": verify_snp, "tdx": verify_tdx}
+
+
+@dataclass(frozen=True, slots=True)
+class VerificationResult:
+    evidence_type: str
+    trusted: bool  # True only for hardware evidence that passed every check; never for `none`
+    public_key_hex: str  # the node key the evidence binds: the key that signs its usage records
+    boot_id: str
+    nonce_hex: str
+    nonce_checked: bool  # False when no expected nonce was given: freshness is then unknown
+    measurement_hex: str | None  # SNP MEASUREMENT or TDX MRTD; None for `none`
+    digest: str  # evidence_digest of the document, as usage records name it
+    checks: tuple[Check, ...]  # every check that passed, in order
+
+
+def verify_evidence(
+    document: Mapping[str, Any] | Evidence,
+    trust_roots: TrustRoots | str | os.PathLike[str],
+    *,
+    expected_nonce: bytes | None = None,
+    expected_measurement: bytes | None = None,
+    allow_none: bool = False,
+    now: datetime | None = None,
+    on_check: CheckSink | None = None,
+) -> VerificationResult:
+    """Verify evidence against the trust roots (a `TrustRoots` or its directory).
+
+    `expected_nonce` is the 32-byte nonce the verifier issued: without it a replayed document passes.
+    `on_check` is called with each check as it passes. Raises `VerificationError`.
+    """
+    evidence = document if isinstance(document, Evidence) else Evidence.from_document(document)
+    expect = Expectations(nonce=expected_nonce, measurement=expected_measurement, now=now or datetime.now(UTC))
+    checks: list[Check] = []
+
+    def emit(check: Check) -> None:
+        checks.append(check)
+        if on_check is not None:
+            on_check(check)
+
+    measurement: bytes | None = None
+    if evidence.evidence_type == "none":
+        if not allow_none:
+            raise VerificationError(
+                "none-evidence",
+                "the node runs without a TEE (evidence type none); nothing binds its key to hardware. "
+                "Allow it explicitly (allow_none / --allow-none) to accept it as untrusted",
+            )
+        emit(Check("evidence", "none: no TEE report; accepted because none evidence was allowed, UNTRUSTED"))
+    else:
+        roots = trust_roots if isinstance(trust_roots, TrustRoots) else load_trust_roots(trust_roots)
+        measurement = HARDWARE_VERIFIERS[evidence.evidence_type](evidence, roots, expect, emit)
+    emit(check_nonce(evidence, expect.nonce))
+    emit(check_gpu(evidence))
+    return VerificationResult(
+        evidence_type=evidence.evidence_type,
+        trusted=evidence.trusted,
+        public_key_hex=evidence.public_key.hex(),
+        boot_id=evidence.boot_id,
+        nonce_hex=evidence.nonce.hex(),
+        nonce_checked=expected_nonce is not None,
+        measurement_hex=None if measurement is None else measurement.hex(),
+        digest=evidence.digest(),
+        checks=tuple(checks),
+    )

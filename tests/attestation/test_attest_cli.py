@@ -1,0 +1,120 @@
+"""`tenzro attest verify`: one line per passed check and exit 0, or the reason and exit 1."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from amd_forge import BOOT_ID, MEASUREMENT, NODE_KEY, NONCE, AmdPki, snp_evidence, snp_report, vcek_and_ask
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from attestation.cli import add_verify_parser, main, run_verify
+from attestation.evidence import Evidence
+
+ROOT = Path(__file__).resolve().parents[2]
+NONE = Evidence(evidence_type="none", source="none", report=b"", aux=b"", gpu=None, public_key=NODE_KEY,
+                boot_id=BOOT_ID, nonce=NONCE)
+
+
+def write(tmp_path: Path, evidence: Evidence) -> Path:
+    path = tmp_path / "evidence.json"
+    path.write_text(json.dumps(evidence.document()))
+    return path
+
+
+@pytest.fixture
+def snp_file(tmp_path: Path, amd: AmdPki, vcek: tuple[ec.EllipticCurvePrivateKey, x509.Certificate]) -> Path:
+    return write(tmp_path, snp_evidence(snp_report(vcek[0]), vcek_and_ask(amd, vcek[1])))
+
+
+def test_allowed_none_evidence_prints_every_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, NONE)
+    code = main(["verify", str(path), "--trust-root", str(tmp_path), "--nonce", NONCE.hex(), "--allow-none"])
+    assert code == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "ok evidence: none: no TEE report; accepted because none evidence was allowed, UNTRUSTED",
+        f"ok nonce: {NONCE.hex()} matches",
+        "ok gpu: no GPU evidence (no NVIDIA driver on the node)",
+        f"verified: none evidence, UNTRUSTED, key {NODE_KEY.hex()}, boot {BOOT_ID}, digest {NONE.digest()}",
+    ]
+
+
+def test_none_evidence_without_allow_none_exits_1_with_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", str(write(tmp_path, NONE)), "--trust-root", str(tmp_path)]) == 1
+    output = capsys.readouterr()
+    assert output.out == ""
+    assert output.err.startswith("FAILED none-evidence: the node runs without a TEE")
+
+
+def test_sev_snp_evidence_verifies_through_the_handler(
+    snp_file: Path, trust_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser(prog="tenzro")
+    attest = parser.add_subparsers(dest="group").add_parser("attest").add_subparsers(dest="command")
+    add_verify_parser(attest)
+    args = parser.parse_args(["attest", "verify", str(snp_file), "--trust-root", str(trust_dir),
+                              "--expect-measurement", MEASUREMENT.hex(), "--nonce", NONCE.hex()])
+    assert args.func is run_verify
+    assert args.func(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "ok report", "ok certificate chain", "ok report signature", "ok tcb", "ok chip id", "ok policy",
+        "ok measurement", "ok key binding", "ok nonce", "ok gpu", "verified",
+    ]
+    assert lines[-1].startswith("verified: sev-snp evidence, trusted, key ")
+
+
+def test_a_stale_nonce_fails_with_the_reason_after_the_checks_that_passed(
+    snp_file: Path, trust_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["verify", str(snp_file), "--trust-root", str(trust_dir), "--nonce", "ab" * 32])
+    output = capsys.readouterr()
+    assert code == 1
+    assert output.out.splitlines()[-1].startswith("ok key binding: ")
+    assert output.err == (
+        f"FAILED nonce-mismatch: the evidence answers nonce {NONCE.hex()}, this verifier issued {'ab' * 32}: the "
+        "document is stale or replayed\n"
+    )
+
+
+def test_an_unreadable_evidence_file_is_a_malformed_document(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "evidence.json").write_text("{not json")
+    assert main(["verify", str(tmp_path / "evidence.json"), "--trust-root", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith(f"FAILED malformed-document: {tmp_path / 'evidence.json'} is not JSON")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--nonce", "ab" * 16, "expected 64 hex characters (32 bytes), got 32"),
+        ("--expect-measurement", "zz", "'zz' is not hex"),
+    ],
+)
+def test_malformed_flags_are_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["verify", "x.json", "--trust-root", str(tmp_path), flag, value])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_module_runs_as_a_command(snp_file: Path, trust_dir: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "attestation.cli", "verify", str(snp_file), "--trust-root", str(trust_dir),
+         "--expect-measurement", bytes(48).hex()],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 1
+    expected = f"FAILED measurement-mismatch: MEASUREMENT is {MEASUREMENT.hex()}, expected {bytes(48).hex()}\n"
+    assert done.stderr == expected
+    assert done.stdout.splitlines()[-1].startswith("ok policy: ")

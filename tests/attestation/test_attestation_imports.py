@@ -1,0 +1,37 @@
+"""Layering: attestation imports only the standard library and `cryptography`; pynvml only by name, when asked."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ATTESTATION_FILES = sorted((ROOT / "attestation").glob("*.py"))
+
+
+def non_stdlib(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {"__future__"}
+
+
+@pytest.mark.parametrize("path", ATTESTATION_FILES, ids=lambda path: path.name)
+def test_attestation_imports_only_stdlib_cryptography_yaml(path: Path) -> None:
+    assert non_stdlib(path) <= {"cryptography", "yaml", "attestation"}
+
+
+def test_importing_attestation_loads_no_heavy_package_and_not_pynvml() -> None:
+    code = (
+        "import sys, attestation.collect, attestation.verify, attestation.cli;"
+        "print(sorted(m for m in ('torch', 'aiohttp', 'node', 'cache', 'transformers', 'pynvml') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
