@@ -1,4 +1,4 @@
-"""The node's configuration file: callers with hashed API keys, cache budgets and request limits.
+"""The node's configuration file: callers with hashed API keys and their requirements, cache budgets and limits.
 
 YAML, parsed once into frozen dataclasses; unknown keys are errors. API keys are never stored: only the
 SHA-256 of each key (keys are 256-bit random, so a plain digest is enough to make the file useless for
@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from cache.budget import CacheBudget
+from policies.requirements import NO_REQUIREMENTS, CallerRequirements, RequirementsError, parse_requirements
 
 KEY_PREFIX = "tz-"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -41,6 +42,8 @@ class Caller:
     retention: str = "keep"
     ttl_s: int | None = None
     """Seconds the caller's stored state lives unused before it is destroyed; None: until evicted."""
+    requirements: CallerRequirements = NO_REQUIREMENTS
+    """What every request of this caller requires of the node; a request's headers can only narrow it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,13 +97,25 @@ def _section(raw: Any, name: str, allowed: set[str], integers: bool = True) -> d
     return raw
 
 
+CALLER_KEYS = {"key_sha256", "role", "retention", "ttl_s", "requirements"}
+
+
+def _requirements(entry: dict[str, Any], name: str) -> CallerRequirements:
+    if "requirements" not in entry:
+        return NO_REQUIREMENTS
+    try:
+        return parse_requirements(entry["requirements"], f"callers.{name}.requirements")
+    except RequirementsError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def parse_config(raw: Any) -> NodeConfig:
     top = _section(raw, "config", {"callers", "cache", "limits"}, integers=False) if raw is not None else {}
     callers = []
     for name, entry in (top.get("callers") or {}).items():
-        if (not isinstance(entry, dict) or set(entry) - {"key_sha256", "role", "retention", "ttl_s"}
-                or "key_sha256" not in entry):
-            raise ConfigError(f"callers.{name} must have 'key_sha256' and optionally 'role', 'retention', 'ttl_s'")
+        if not isinstance(entry, dict) or set(entry) - CALLER_KEYS or "key_sha256" not in entry:
+            raise ConfigError(f"callers.{name} must have 'key_sha256' and optionally 'role', 'retention', 'ttl_s', "
+                              f"'requirements'")
         if entry.get("role", "caller") not in ROLES:
             raise ConfigError(f"callers.{name}.role must be one of {', '.join(ROLES)}")
         if entry.get("retention", "keep") not in RETENTIONS:
@@ -109,7 +124,7 @@ def parse_config(raw: Any) -> NodeConfig:
         if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl <= 0):
             raise ConfigError(f"callers.{name}.ttl_s must be a positive number of seconds")
         callers.append(Caller(str(name), str(entry["key_sha256"]), entry.get("role", "caller"),
-                              entry.get("retention", "keep"), ttl))
+                              entry.get("retention", "keep"), ttl, _requirements(entry, name)))
     defaults = NodeConfig()
     cache = _section(top.get("cache"), "cache", {"node_bytes", "caller_bytes", "plaintext_bytes"})
     limits = _section(top.get("limits"), "limits", {"max_queue", "max_body_bytes", "default_max_tokens"})
@@ -135,6 +150,8 @@ def _dump_caller(caller: Caller) -> dict[str, Any]:
         entry["retention"] = caller.retention
     if caller.ttl_s is not None:
         entry["ttl_s"] = caller.ttl_s
+    if caller.requirements != NO_REQUIREMENTS:
+        entry["requirements"] = caller.requirements.as_config()
     return entry
 
 
@@ -168,8 +185,8 @@ def remove_key(path: Path, name: str) -> None:
 
 def add_key(path: Path, name: str, role: str = "caller", retention: str | None = None,
             ttl_s: int | None = None) -> str:
-    """Create caller `name` (or give it a new key, keeping its retention unless given) and return the key; only
-    its hash is stored."""
+    """Create caller `name` (or give it a new key, keeping its retention unless given, and its requirements) and
+    return the key; only its hash is stored."""
     if not NAME_PATTERN.match(name):
         raise ConfigError("a caller name is 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit")
     if role not in ROLES:
@@ -182,7 +199,8 @@ def add_key(path: Path, name: str, role: str = "caller", retention: str | None =
     old = next((c for c in config.callers if c.name == name), None)
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     caller = Caller(name, hash_key(key), role, retention or (old.retention if old else "keep"),
-                    ttl_s if ttl_s is not None else (old.ttl_s if old else None))
+                    ttl_s if ttl_s is not None else (old.ttl_s if old else None),
+                    old.requirements if old else NO_REQUIREMENTS)
     callers = tuple(c for c in config.callers if c.name != name) + (caller,)
     save_config(path, replace(config, callers=callers))
     return key

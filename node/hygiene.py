@@ -2,8 +2,8 @@
 
 Prompts, completions and the keys that seal stored state live in this process's memory. A core dump, a
 debugger attaching as the same user, or a page written to swap would each put them on disk or in another
-process. `apply_hygiene` closes what the process can close for itself and reports what it could not; a
-`HygienePolicy` (YAML under `policies/`) says which of those a node refuses to serve without.
+process. `apply_hygiene` closes what the process can close for itself and reports what it could not; the
+node policy (`policies/node_policy.py`) says which of those a node refuses to serve without.
 
 Linux only: on another system nothing but the core-size limit is changed, and the state says so.
 """
@@ -20,9 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from policies import policy_file
+from policies.node_policy import NodePolicy, NodePolicyError, load_node_policy
 
 # From <sys/mman.h> and <linux/prctl.h>.
 MCL_CURRENT = 1
@@ -32,12 +30,6 @@ PR_GET_DUMPABLE = 3
 PR_SET_DUMPABLE = 4
 CAP_IPC_LOCK = 14
 LOCK_ALL = "mlockall(MCL_CURRENT|MCL_FUTURE)"
-SHIPPED_POLICIES = ("confidential", "standard")
-REQUIREMENTS = ("memory_locked", "no_swap", "sealing")
-
-
-class HygienePolicyError(ValueError):
-    """A hygiene policy file is malformed or missing; the message names the key or file to change."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,57 +188,37 @@ def apply_hygiene(lock_memory: bool = True) -> HygieneState:
 
 @dataclass(frozen=True, slots=True)
 class HygienePolicy:
-    """Which of the hygiene a node must have achieved before it serves."""
+    """A node policy as the process checks it at start: its `require` rules against what `apply_hygiene`
+    achieved. (`require.confidential_hardware` is checked against the attestation evidence, by
+    `policies.node_policy.hardware_unmet`.)"""
 
-    name: str
-    require_memory_locked: bool
-    require_no_swap: bool
-    require_sealing: bool
+    policy: NodePolicy
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
 
     def missing(self, state: HygieneState, sealing: bool) -> list[str]:
         """One sentence per requirement not met: what is missing and how to fix it; empty when all are."""
+        require = self.policy.require
         sentences = []
-        if self.require_memory_locked and not state.memory_locked:
+        if require.memory_locked and not state.memory_locked:
             sentences.append(f"memory is not locked: {state.memory_lock_reason}: run as root (CAP_IPC_LOCK) or "
                              f"raise the limit with `ulimit -l unlimited`")
-        if self.require_no_swap and state.swap_active is None:
+        if require.no_swap and state.swap_active is None:
             sentences.append("swap cannot be checked: /proc/swaps is not readable on this system")
-        elif self.require_no_swap and state.swap_active:
+        elif require.no_swap and state.swap_active:
             sentences.append(f"swap is active ({', '.join(state.swap_active)}): turn it off with `swapoff -a`")
-        if self.require_sealing and not sealing:
+        if require.sealing and not sealing:
             sentences.append("stored prompt state is not sealed: serve without --no-seal, or with --no-reuse so "
                              "that no prompt state is stored")
         return sentences
 
 
-def _mapping(raw: Any, where: str, allowed: tuple[str, ...], name: str) -> dict[str, Any]:
-    if not isinstance(raw, dict):
-        raise HygienePolicyError(f"'{where}' in hygiene policy '{name}' must be a mapping")
-    unknown = set(raw) - set(allowed)
-    if unknown:
-        raise HygienePolicyError(f"unknown key(s) in '{where}' of hygiene policy '{name}': "
-                                 f"{', '.join(sorted(map(str, unknown)))}; allowed: {', '.join(allowed)}")
-    return raw
-
-
-def parse_hygiene_policy(raw: Any, name: str) -> HygienePolicy:
-    """Every requirement must be written out: a forgotten key is an error, not a silent `false`."""
-    require = _mapping(_mapping(raw, "policy", ("require",), name).get("require"), "require", REQUIREMENTS, name)
-    for key in REQUIREMENTS:
-        if not isinstance(require.get(key), bool):
-            raise HygienePolicyError(f"'require.{key}' in hygiene policy '{name}' must be true or false")
-    return HygienePolicy(name=name, require_memory_locked=require["memory_locked"],
-                         require_no_swap=require["no_swap"], require_sealing=require["sealing"])
+HygienePolicyError = NodePolicyError
+"""The name `tenzro serve` catches; one error type for every node policy problem."""
 
 
 def load_hygiene_policy(name_or_path: str) -> HygienePolicy:
-    """A shipped policy by name (`confidential`, `standard`) or a policy file by path."""
-    path = policy_file(f"{name_or_path}.yaml") if name_or_path in SHIPPED_POLICIES else Path(name_or_path)
-    if not path.is_file():
-        raise HygienePolicyError(f"no hygiene policy '{name_or_path}': name one of "
-                                 f"{', '.join(SHIPPED_POLICIES)} or give the path of a YAML file")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise HygienePolicyError(f"{path} is not valid YAML: {exc}") from exc
-    return parse_hygiene_policy(raw, path.stem)
+    """A node policy (`policies.node_policy.load_node_policy`), for its hygiene check."""
+    return HygienePolicy(load_node_policy(name_or_path))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from node.auth import KeyRing
-from node.config import ConfigError, add_key, hash_key, load_config, parse_config
+from node.config import ConfigError, add_key, hash_key, load_config, parse_config, save_config
 from node.errors import ApiError
+from policies.requirements import NO_REQUIREMENTS, CallerRequirements
 from tests.node.conftest import tenzro
 
 
@@ -46,3 +48,51 @@ def test_config_rejects_unknown_keys_and_bad_values() -> None:
     assert (parsed.cache.node_bytes, parsed.cache.caller_bytes, parsed.limits.max_queue) == (10, 5, 3)
     with pytest.raises(ConfigError, match="caller name"):
         add_key(Path("/nonexistent/x.yaml"), "bad name!")
+
+
+def test_caller_requirements_parse_into_the_caller_and_default_to_none() -> None:
+    parsed = parse_config({"callers": {
+        "alice": {"key_sha256": "a" * 64, "requirements": {"confidential_hardware": True, "jurisdictions": ["DE", "FR"],
+                                                           "max_price_wei": {"input": 2_000_000_000}}},
+        "bob": {"key_sha256": "b" * 64}}})
+    alice, bob = parsed.callers
+    assert alice.requirements == CallerRequirements(True, frozenset({"DE", "FR"}), {"input": 2_000_000_000})
+    assert bob.requirements == NO_REQUIREMENTS
+
+
+@pytest.mark.parametrize(("requirements", "message"), [
+    ({"tee": True}, "unknown key(s) in callers.alice.requirements: tee; allowed: confidential_hardware, "
+                    "jurisdictions, max_price_wei"),
+    ({"jurisdictions": ["de"]}, "callers.alice.requirements.jurisdictions[0] must be an ISO 3166-1 alpha-2 country "
+                                "code in upper case (e.g. DE), got 'de'"),
+    ({"max_price_wei": {"output": -1}}, "callers.alice.requirements.max_price_wei.output must be a whole number of "
+                                        "wei per token, 0 to 2**256-1, got -1"),
+    (None, "callers.alice.requirements must be a mapping"),
+])
+def test_bad_caller_requirements_are_refused_naming_the_path(requirements: object, message: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config({"callers": {"alice": {"key_sha256": "a" * 64, "requirements": requirements}}})
+    assert str(raised.value) == message
+
+
+def test_an_unknown_caller_key_is_refused() -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config({"callers": {"alice": {"key_sha256": "a" * 64, "require": {}}}})
+    assert str(raised.value) == ("callers.alice must have 'key_sha256' and optionally 'role', 'retention', 'ttl_s', "
+                                 "'requirements'")
+
+
+def test_caller_requirements_survive_save_and_load_and_a_new_key(tmp_path: Path) -> None:
+    path = tmp_path / "node.yaml"
+    add_key(path, "bob")
+    add_key(path, "alice")
+    strict = CallerRequirements(True, frozenset({"NO", "DE"}), {"cached_read": 0, "output": 8_000_000_000})
+    config = load_config(path)
+    save_config(path, replace(config, callers=tuple(replace(c, requirements=strict) if c.name == "alice" else c
+                                                    for c in config.callers)))
+    assert "'NO'" in path.read_text()  # quoted: YAML would read a bare NO as false
+    assert [(c.name, c.requirements) for c in load_config(path).callers] == [("bob", NO_REQUIREMENTS),
+                                                                            ("alice", strict)]
+    add_key(path, "alice")  # a new key keeps what the operator required of the caller
+    assert [(c.name, c.requirements) for c in load_config(path).callers] == [("bob", NO_REQUIREMENTS),
+                                                                            ("alice", strict)]

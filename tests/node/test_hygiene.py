@@ -31,6 +31,7 @@ from node.hygiene import (
     lock_region,
     parse_swaps,
 )
+from policies.node_policy import NodePolicy, NodeRequirements, load_node_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 LINUX = pytest.mark.skipif(sys.platform != "linux", reason="prctl, mlockall, madvise and /proc are Linux's")
@@ -170,9 +171,12 @@ def test_a_range_without_a_whole_page_is_refused(call: Callable[[int, int], bool
     assert call(three_pages, 0) is False
 
 
-def test_the_shipped_policies_load() -> None:
-    assert load_hygiene_policy("confidential") == HygienePolicy("confidential", True, True, True)
-    assert load_hygiene_policy("standard") == HygienePolicy("standard", False, False, False)
+def test_the_shipped_policies_load_as_node_policies() -> None:
+    confidential, standard = load_hygiene_policy("confidential"), load_hygiene_policy("standard")
+    assert confidential == HygienePolicy(load_node_policy("confidential"))
+    assert (confidential.name, confidential.policy.require) == ("confidential", NodeRequirements(True, True, True,
+                                                                                                  True))
+    assert (standard.name, standard.policy.require) == ("standard", NodeRequirements(False, False, False, False))
 
 
 def write_policy(tmp_path: Path, text: str) -> str:
@@ -181,21 +185,28 @@ def write_policy(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
+SITE = "jurisdiction: DE\ntrust_tier: standard\n"
+
+
 def test_a_policy_file_by_path_loads(tmp_path: Path) -> None:
-    path = write_policy(tmp_path, "require: {memory_locked: true, no_swap: false, sealing: true}\n")
-    assert load_hygiene_policy(path) == HygienePolicy("site", True, False, True)
+    path = write_policy(tmp_path, SITE + "require: {memory_locked: true, no_swap: false, sealing: true, "
+                                         "confidential_hardware: false}\n")
+    assert load_hygiene_policy(path) == HygienePolicy(NodePolicy("site", "DE", "standard",
+                                                                 NodeRequirements(True, False, True, False)))
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("require: {memory_locked: true, no_swap: true, sealing: true, no_dumps: true}\n",
-     "unknown key(s) in 'require' of hygiene policy 'site': no_dumps; allowed: memory_locked, no_swap, sealing"),
-    ("require: {memory_locked: true, no_swap: true, sealing: true}\nname: strict\n",
-     "unknown key(s) in 'policy' of hygiene policy 'site': name; allowed: require"),
-    ("require: {memory_locked: true, no_swap: true}\n",
-     "'require.sealing' in hygiene policy 'site' must be true or false"),
-    ("require: {memory_locked: yes please, no_swap: true, sealing: true}\n",
-     "'require.memory_locked' in hygiene policy 'site' must be true or false"),
-    ("- memory_locked\n", "'policy' in hygiene policy 'site' must be a mapping"),
+    (SITE + "require: {memory_locked: true, no_swap: true, sealing: true, confidential_hardware: true, "
+            "no_dumps: true}\n",
+     "unknown key(s) in 'require' of node policy 'site': no_dumps; allowed: memory_locked, no_swap, sealing, "
+     "confidential_hardware"),
+    ("require: {memory_locked: true, no_swap: true, sealing: true}\n",
+     "missing key(s) in 'policy' of node policy 'site': jurisdiction, trust_tier; every key is written out"),
+    (SITE + "require: {memory_locked: true, no_swap: true, sealing: true}\n",
+     "missing key(s) in 'require' of node policy 'site': confidential_hardware; every key is written out"),
+    (SITE + "require: {memory_locked: yes please, no_swap: true, sealing: true, confidential_hardware: true}\n",
+     "'require.memory_locked' in node policy 'site' must be true or false"),
+    ("- memory_locked\n", "'policy' in node policy 'site' must be a mapping"),
 ])
 def test_a_malformed_policy_is_refused_naming_the_key(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(HygienePolicyError) as raised:
@@ -206,7 +217,7 @@ def test_a_malformed_policy_is_refused_naming_the_key(tmp_path: Path, text: str,
 def test_an_unknown_policy_name_is_refused() -> None:
     with pytest.raises(HygienePolicyError) as raised:
         load_hygiene_policy("pricing")
-    assert str(raised.value) == ("no hygiene policy 'pricing': name one of confidential, standard or give the "
+    assert str(raised.value) == ("no node policy 'pricing': name one of confidential, standard or give the "
                                  "path of a YAML file")
 
 
