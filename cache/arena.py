@@ -455,7 +455,10 @@ class StateArena:
                 break
             entry = self._entries[handle]
             cost = self._costs.get(entry.scope.model)
-            if cost is not None and not cost.worth_sealing(entry.nbytes, entry.end - entry.start):
+            # A snapshot stands for every token before it: without it, a resume starts at an earlier snapshot
+            # or at 0, so it weighs as its whole prefix (keeping it when unsure); a span weighs as its tokens.
+            tokens = entry.end if entry.snapshot is not None else entry.end - entry.start
+            if cost is not None and not cost.worth_sealing(entry.nbytes, tokens):
                 unkept.append((entry.scope, handle))
                 unkept_bytes += sum(part.nbytes for part in (entry.span, entry.snapshot)
                                     if part is not None and part.plain is not None)
