@@ -19,16 +19,13 @@ from typing import Any
 
 from metering.ledger import Ledger
 from metering.pricing import DEFAULT_PRICING
-from metering.record import TokenCounts
+from metering.record import Latency, TokenCounts
 from metering.signer import NodeSigner
+from metering.sla import nearest_rank
 
 TARGET_MEDIAN_MS = 2.0
-
-
-def _percentile(sorted_values: list[float], fraction: float) -> float:
-    """Nearest-rank percentile of an ascending list."""
-    rank = max(1, round(fraction * len(sorted_values)))
-    return sorted_values[min(rank, len(sorted_values)) - 1]
+BENCH_EVIDENCE_DIGEST = "be" * 32
+"""Stands for the attestation evidence digest: it has the size of a real one, so the lines do too."""
 
 
 def bench_append(records: int, directory: str | Path | None = None) -> dict[str, Any]:
@@ -36,10 +33,11 @@ def bench_append(records: int, directory: str | Path | None = None) -> dict[str,
     if records < 1:
         raise ValueError(f"records must be at least 1, got {records}")
     with tempfile.TemporaryDirectory(dir=directory, prefix="ledger-bench-") as temp:
-        ledger = Ledger(temp, NodeSigner.generate(), uuid.uuid4().hex)
+        ledger = Ledger(temp, NodeSigner.generate(), uuid.uuid4().hex, evidence_digest=BENCH_EVIDENCE_DIGEST)
         counts = TokenCounts(
             input_tokens=1200, cached_read_tokens=1000, cached_write_tokens=150, output_tokens=300
         )
+        request_latency = Latency(queue_wait_ms=12, ttft_ms=85, total_ms=2400)
         latencies_ms: list[float] = []
         with ledger:
             for index in range(records):
@@ -51,6 +49,7 @@ def bench_append(records: int, directory: str | Path | None = None) -> dict[str,
                     status="completed",
                     counts=counts,
                     prices=DEFAULT_PRICING,
+                    latency=request_latency,
                 )
                 latencies_ms.append((time.perf_counter_ns() - start) / 1e6)
             segment_bytes = ledger.path.stat().st_size
@@ -60,7 +59,7 @@ def bench_append(records: int, directory: str | Path | None = None) -> dict[str,
         "records": records,
         "directory": str(Path(temp).parent),
         "median_ms": round(median, 4),
-        "p99_ms": round(_percentile(latencies_ms, 0.99), 4),
+        "p99_ms": round(nearest_rank(latencies_ms, 99), 4),
         "max_ms": round(latencies_ms[-1], 4),
         "mean_ms": round(statistics.fmean(latencies_ms), 4),
         "appends_per_s": round(1000 / statistics.fmean(latencies_ms), 1),

@@ -68,19 +68,33 @@ def bill(
 
     `ledger_path` is one segment file or a ledger directory (all its segments, one per node start).
     """
+    segments, selected = caller_records(ledger_path, caller_id, since_ms, until_ms)
+    lines, total = _totals(selected)
+    return Bill(caller_id, since_ms, until_ms, segments, lines, total)
+
+
+def caller_records(
+    ledger_path: str | os.PathLike[str],
+    caller_id: str,
+    since_ms: int | None = None,
+    until_ms: int | None = None,
+    model: str | None = None,
+) -> tuple[int, list[UsageRecord]]:
+    """(segment files read, the caller's records with since_ms <= timestamp_ms < until_ms, of `model` when
+    given), from one segment file or a ledger directory, in file order."""
     if since_ms is not None and until_ms is not None and until_ms < since_ms:
         raise ValueError(f"until ({until_ms} ms) is before since ({since_ms} ms); swap or widen them")
     files = segment_files(ledger_path)
     records = (record for path in files for record in read_records(path)[1])
-    selected = (
+    selected = [
         record
         for record in records
         if record.caller_id == caller_id
+        and (model is None or record.model == model)
         and (since_ms is None or record.timestamp_ms >= since_ms)
         and (until_ms is None or record.timestamp_ms < until_ms)
-    )
-    lines, total = _totals(selected)
-    return Bill(caller_id, since_ms, until_ms, len(files), lines, total)
+    ]
+    return len(files), selected
 
 
 def _totals(records: Iterable[UsageRecord]) -> tuple[tuple[BillLine, ...], UsageTotals]:

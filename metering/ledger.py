@@ -22,7 +22,7 @@ from pathlib import Path
 from metering.durable import fsync_directory
 from metering.merkle import MerkleTree, leaf_hash
 from metering.pricing import PriceSchedule
-from metering.record import ZERO_HASH, RecordStatus, TokenCounts, UsageRecord
+from metering.record import ZERO_HASH, Latency, RecordStatus, TokenCounts, UsageRecord, check_evidence_digest
 from metering.segment import SegmentHeader, segment_path
 from metering.signer import NodeSigner
 from metering.tree_head import ConsistencyProof, InclusionProof, TreeHead
@@ -48,11 +48,15 @@ class Ledger:
         signer: NodeSigner,
         boot_id: str,
         *,
+        evidence_digest: str,
         clock_ms: Callable[[], int] = wall_clock_ms,
     ) -> None:
+        """`evidence_digest`: SHA-256 hex of the attestation evidence that binds `signer`'s key for this node
+        start; the header, every record and every tree head name it."""
         self.directory = Path(directory)
         self.signer = signer
         self.boot_id = boot_id
+        self.evidence_digest = check_evidence_digest(evidence_digest)
         self.path = segment_path(self.directory, boot_id)
         self._clock_ms = clock_ms
         self._lock = threading.Lock()
@@ -70,7 +74,7 @@ class Ledger:
                 f"segment {self.path} already exists; every node start needs a new boot_id"
             ) from exc
         self._size = 0
-        self.header = SegmentHeader.create(signer, boot_id, clock_ms())
+        self.header = SegmentHeader.create(signer, boot_id, clock_ms(), evidence_digest)
         try:
             self._write_line(self.header.canonical_bytes())
         except LedgerError:
@@ -87,6 +91,7 @@ class Ledger:
         status: RecordStatus,
         counts: TokenCounts,
         prices: PriceSchedule,
+        latency: Latency,
     ) -> UsageRecord:
         """Sign and durably write the record of one completion; returns it as written.
 
@@ -103,11 +108,13 @@ class Ledger:
                 timestamp_ms=self._clock_ms(),
                 node_key_id=self.signer.key_id,
                 boot_id=self.boot_id,
+                evidence_digest=self.evidence_digest,
                 caller_id=caller_id,
                 model=model,
                 status=status,
                 counts=counts,
                 prices=prices,
+                latency=latency,
                 prev_hash=self._prev_hash,
             )
             record = draft.with_signature(self.signer.sign(draft.signing_payload()))
@@ -162,7 +169,7 @@ class Ledger:
         with self._lock:
             size = len(self._tree) if size is None else self._check_size(size)
             root = self._tree.root(size)
-        return TreeHead.sign(self.signer, size, root, self._clock_ms())
+        return TreeHead.sign(self.signer, size, root, self._clock_ms(), self.evidence_digest)
 
     def inclusion_proof(self, record_id: str, tree_size: int | None = None) -> InclusionProof:
         """Audit path of a record in the tree of `tree_size` records (default: all so far)."""

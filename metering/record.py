@@ -1,6 +1,6 @@
-"""The signed usage record of one completion: token counts, the prices charged, the cost, and ids.
+"""The signed usage record of one completion: token counts, the prices charged, the cost, service times, ids.
 
-A record carries counts and identifiers only. It never holds prompt or completion text, nor any
+A record carries counts, times and identifiers only. It never holds prompt or completion text, nor any
 hash of it: a digest of short or guessable text can be reversed by trying candidates, and the
 ledger is read by people who must not learn what callers asked.
 
@@ -52,6 +52,17 @@ def check_boot_id(boot_id: object) -> str:
     return boot_id
 
 
+def check_evidence_digest(digest: object) -> str:
+    """The SHA-256 of the node start's attestation evidence, which binds the signing key: records and tree
+    heads name it, so that each signed statement says which attested start made it."""
+    if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+        raise RecordError(
+            f"evidence_digest must be 64 lowercase hex characters (SHA-256 of the attestation evidence), "
+            f"got {digest!r}"
+        )
+    return digest
+
+
 @dataclass(frozen=True, slots=True)
 class TokenCounts:
     """Token counts of one completion.
@@ -84,6 +95,42 @@ class TokenCounts:
         return self.input_tokens - self.cached_read_tokens - self.cached_write_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """Service times of one completion in whole milliseconds, each measured from the job's enqueue (the node
+    taking it into its queue), so that a caller can show from signed data that a latency promise was missed.
+
+    Each is rounded up: for an integer N, `ttft_ms <= N` holds exactly when the measured time was at most N ms.
+
+    - `queue_wait_ms`: enqueue to the engine's worker starting the job. A job cancelled before it started
+      waited the whole time (`queue_wait_ms == total_ms`). A job that failed in the engine records 0: the
+      engine does not report when such a job started.
+    - `ttft_ms`: enqueue to the first generated token, queue wait included (what the caller waits for). 0 when
+      the record has no output token: none came, or the job failed (a failure reports no tokens).
+    - `total_ms`: enqueue to the end: the job's outcome reaching the request's handler (or the meter, for a
+      client that went away).
+
+    A completion whose job was never queued (its client went away first) records 0 for all three.
+    `UsageRecord` adds the checks that need the token counts.
+    """
+
+    queue_wait_ms: int
+    ttft_ms: int
+    total_ms: int
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if type(value) is not int or value < 0:
+                raise RecordError(f"{field.name} must be a non-negative integer (milliseconds), got {value!r}")
+        for name in ("queue_wait_ms", "ttft_ms"):
+            if getattr(self, name) > self.total_ms:
+                raise RecordError(
+                    f"{name} ({getattr(self, name)}) exceeds total_ms ({self.total_ms}); every time is "
+                    "measured from the enqueue, and the end comes last"
+                )
+
+
 def cost_wei(counts: TokenCounts, prices: PriceSchedule) -> int:
     """The charge for a completion, in wei."""
     return (
@@ -103,6 +150,7 @@ class UsageRecord:
     timestamp_ms: int  # Unix epoch milliseconds when the record was appended
     node_key_id: str  # `NodeSigner.key_id` of the signing key
     boot_id: str  # the node start (and ledger segment) this record belongs to
+    evidence_digest: str  # SHA-256 hex of that node start's attestation evidence
     caller_id: str
     model: str
     status: RecordStatus
@@ -115,6 +163,9 @@ class UsageRecord:
     cached_read_price_wei: int
     cached_write_price_wei: int
     cost_wei: int  # == cost_wei(self.counts, self.prices), checked on construction
+    queue_wait_ms: int  # the three times form `self.latency`; `Latency` defines them
+    ttft_ms: int  # 0 when output_tokens is 0, else at least queue_wait_ms
+    total_ms: int
     prev_hash: str  # SHA-256 hex of the previous record's line, ZERO_HASH for seq 0
     signature: str  # 128 hex characters, or UNSIGNED for a draft
 
@@ -130,6 +181,7 @@ class UsageRecord:
         if not isinstance(self.node_key_id, str) or not _KEY_ID.fullmatch(self.node_key_id):
             raise RecordError(f"node_key_id must be 16 lowercase hex characters, got {self.node_key_id!r}")
         check_boot_id(self.boot_id)
+        check_evidence_digest(self.evidence_digest)
         if self.status not in STATUSES:
             raise RecordError(f"status must be one of {', '.join(STATUSES)}, got {self.status!r}")
         if not isinstance(self.prev_hash, str) or not _HEX64.fullmatch(self.prev_hash):
@@ -148,6 +200,14 @@ class UsageRecord:
                 "cost = uncached input * input price + cached reads * read price "
                 "+ cached writes * write price + output * output price"
             )
+        latency = self.latency
+        if self.output_tokens == 0 and latency.ttft_ms != 0:
+            raise RecordError(f"ttft_ms is {latency.ttft_ms} but no token came (output_tokens 0); it must be 0")
+        if self.output_tokens > 0 and latency.ttft_ms < latency.queue_wait_ms:
+            raise RecordError(
+                f"ttft_ms ({latency.ttft_ms}) is below queue_wait_ms ({latency.queue_wait_ms}); the first "
+                "token comes after the job starts, and both are measured from the enqueue"
+            )
 
     @classmethod
     def draft(
@@ -158,11 +218,13 @@ class UsageRecord:
         timestamp_ms: int,
         node_key_id: str,
         boot_id: str,
+        evidence_digest: str,
         caller_id: str,
         model: str,
         status: RecordStatus,
         counts: TokenCounts,
         prices: PriceSchedule,
+        latency: Latency,
         prev_hash: str,
     ) -> UsageRecord:
         """An unsigned record with its cost computed from `counts` and `prices`."""
@@ -172,12 +234,14 @@ class UsageRecord:
             timestamp_ms=timestamp_ms,
             node_key_id=node_key_id,
             boot_id=boot_id,
+            evidence_digest=evidence_digest,
             caller_id=caller_id,
             model=model,
             status=status,
             **asdict(counts),
             **prices.to_mapping(),
             cost_wei=cost_wei(counts, prices),
+            **asdict(latency),
             prev_hash=prev_hash,
             signature=UNSIGNED,
         )
@@ -199,6 +263,10 @@ class UsageRecord:
             self.cached_read_price_wei,
             self.cached_write_price_wei,
         )
+
+    @property
+    def latency(self) -> Latency:
+        return Latency(self.queue_wait_ms, self.ttft_ms, self.total_ms)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object form: field names as members, wei amounts as decimal strings."""
@@ -250,4 +318,5 @@ RECORD_FIELDS: tuple[str, ...] = tuple(field.name for field in fields(UsageRecor
 WEI_FIELDS: tuple[str, ...] = tuple(name for name in RECORD_FIELDS if name.endswith("_wei"))
 _INT_FIELDS = frozenset(
     {"seq", "timestamp_ms", "input_tokens", "cached_read_tokens", "cached_write_tokens", "output_tokens"}
+    | {field.name for field in fields(Latency)}
 )

@@ -3,11 +3,13 @@
 One segment per node start, named `ledger-<boot_id>.jsonl` inside the ledger directory. Every line
 is RFC 8785 canonical JSON followed by "\\n":
 
-    line 1      segment header: format, boot_id, created_ms, node_key_id, public_key, signature
+    line 1      segment header: format, boot_id, created_ms, node_key_id, public_key, evidence_digest,
+                signature
     line 2 + s  usage record with seq s (s = 0, 1, 2, ...), as `UsageRecord.to_json()`
 
-The header names the key that signs the segment, so the file says which attested key to check it
-against; it is signed by that key and is not a Merkle leaf. Records are the Merkle leaves, leaf
+The header names the key that signs the segment and the digest of the attestation evidence that binds
+that key, so the file says which attested key to check it against; every record names the same digest.
+The header is signed by that key and is not a Merkle leaf. Records are the Merkle leaves, leaf
 index = seq, leaf data = the line without its newline. A node never reopens an old segment, so a
 crash can leave at most one torn line, at the end of its own segment.
 """
@@ -22,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from metering.canonical import CanonicalJsonError, canonical_json, parse_canonical
-from metering.record import RecordError, UsageRecord, check_boot_id
+from metering.record import RecordError, UsageRecord, check_boot_id, check_evidence_digest
 from metering.signer import NodeSigner, SignatureInvalid, key_id_for, public_key_from_hex, signed_payload
 
-SEGMENT_FORMAT = "tenzro-ledger-segment/1"
+SEGMENT_FORMAT = "tenzro-ledger-segment/2"
+"""/2: records carry service times and, like the header and tree heads, the attestation evidence digest."""
 SEGMENT_PREFIX = "ledger-"
 SEGMENT_SUFFIX = ".jsonl"
 
@@ -49,6 +52,11 @@ def segment_files(path: str | os.PathLike[str]) -> list[Path]:
     return [path]
 
 
+def _check_format(segment_format: object) -> None:
+    if segment_format != SEGMENT_FORMAT:
+        raise SegmentFormatError(f"segment format is {segment_format!r}; this reader knows {SEGMENT_FORMAT!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class SegmentHeader:
     """First line of a segment: which node start wrote it and with which public key."""
@@ -58,14 +66,13 @@ class SegmentHeader:
     created_ms: int
     node_key_id: str
     public_key: str  # 64 hex characters, raw Ed25519 public key
+    evidence_digest: str  # SHA-256 hex of the attestation evidence that binds `public_key`
     signature: str  # 128 hex characters over the canonical JSON of the other members
 
     def __post_init__(self) -> None:
-        if self.format != SEGMENT_FORMAT:
-            raise SegmentFormatError(
-                f"segment format is {self.format!r}; this reader knows {SEGMENT_FORMAT!r}"
-            )
+        _check_format(self.format)
         check_boot_id(self.boot_id)
+        check_evidence_digest(self.evidence_digest)
         if type(self.created_ms) is not int or self.created_ms < 0:
             raise SegmentFormatError(f"created_ms must be a non-negative integer, got {self.created_ms!r}")
         for name in ("node_key_id", "public_key", "signature"):
@@ -79,19 +86,22 @@ class SegmentHeader:
             raise SegmentFormatError("segment header node_key_id is not the key id of its public_key")
 
     @classmethod
-    def create(cls, signer: NodeSigner, boot_id: str, created_ms: int) -> SegmentHeader:
+    def create(cls, signer: NodeSigner, boot_id: str, created_ms: int, evidence_digest: str) -> SegmentHeader:
         body: dict[str, Any] = {
             "format": SEGMENT_FORMAT,
             "boot_id": boot_id,
             "created_ms": created_ms,
             "node_key_id": signer.key_id,
             "public_key": signer.public_key_hex,
+            "evidence_digest": evidence_digest,
         }
         return cls(**body, signature=signer.sign(signed_payload(body)).hex())
 
     @classmethod
     def from_json(cls, obj: Any) -> SegmentHeader:
         names = [field.name for field in fields(cls)]
+        if isinstance(obj, Mapping) and "format" in obj:
+            _check_format(obj["format"])  # first: another format's header has other members
         if not isinstance(obj, Mapping) or sorted(obj) != sorted(names):
             raise SegmentFormatError(f"a segment header is a JSON object with exactly {', '.join(names)}")
         try:
@@ -157,9 +167,7 @@ def read_records(path: str | os.PathLike[str]) -> tuple[SegmentHeader, list[Usag
     A torn final line is left out, as it never became a record; any other bad line is an error.
     """
     contents = read_segment(path)
-    if not contents.lines:
-        raise SegmentFormatError(f"{contents.path} has no complete header line")
-    header = parse_header(contents.lines[0], contents.path)
+    header = _header_of(contents)
     records = []
     for line in contents.lines[1:]:
         try:
@@ -167,3 +175,14 @@ def read_records(path: str | os.PathLike[str]) -> tuple[SegmentHeader, list[Usag
         except (CanonicalJsonError, RecordError) as exc:
             raise SegmentFormatError(f"{contents.path} line {line.number}: {exc}") from exc
     return header, records
+
+
+def read_header(path: str | os.PathLike[str]) -> SegmentHeader:
+    """A segment's header, without checking its signature (that is `verify_segment`'s job)."""
+    return _header_of(read_segment(path))
+
+
+def _header_of(contents: SegmentContents) -> SegmentHeader:
+    if not contents.lines:
+        raise SegmentFormatError(f"{contents.path} has no complete header line")
+    return parse_header(contents.lines[0], contents.path)

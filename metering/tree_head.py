@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from metering.merkle import ProofError, leaf_hash, verify_consistency, verify_inclusion
-from metering.record import UsageRecord
+from metering.record import RecordError, UsageRecord, check_evidence_digest
 from metering.signer import (
     NodeSigner,
     SignatureInvalid,
@@ -42,6 +42,7 @@ class TreeHead:
     root_hash_hex: str
     timestamp_ms: int
     key_id: str
+    evidence_digest: str  # SHA-256 hex of the attestation evidence of the node start that signs
     signature: str  # Ed25519 over the canonical JSON of the other members, hex
 
     def __post_init__(self) -> None:
@@ -54,14 +55,21 @@ class TreeHead:
         for name in ("key_id", "signature"):
             if not isinstance(getattr(self, name), str):
                 raise TreeHeadError(f"tree head {name} must be a string")
+        try:
+            check_evidence_digest(self.evidence_digest)
+        except RecordError as exc:
+            raise TreeHeadError(f"tree head {exc}") from exc
 
     @classmethod
-    def sign(cls, signer: NodeSigner, size: int, root: bytes, timestamp_ms: int) -> TreeHead:
+    def sign(
+        cls, signer: NodeSigner, size: int, root: bytes, timestamp_ms: int, evidence_digest: str
+    ) -> TreeHead:
         body: dict[str, Any] = {
             "size": size,
             "root_hash_hex": root.hex(),
             "timestamp_ms": timestamp_ms,
             "key_id": signer.key_id,
+            "evidence_digest": evidence_digest,
         }
         return cls(**body, signature=signer.sign(signed_payload(body)).hex())
 

@@ -1,12 +1,15 @@
 """Offline verification of a ledger segment against the node public key an auditor trusts.
 
-Checks, record by record in file order: canonical form, signing key, signature, field validity and
-cost arithmetic, boot id, sequence continuity, hash chain and unique record ids. Verification stops
-at the first problem and names it with a kind, the line, and the record's seq and id, so a report
-reads "line 19, seq 17, record chatcmpl-abc: broken-chain: ...". Records before it count as good.
+Checks, record by record in file order: canonical form, signing key, signature, field validity (service
+times included) and cost arithmetic, boot id, attestation evidence digest, sequence continuity, hash chain
+and unique record ids. Verification stops at the first problem and names it with a kind, the line, and
+the record's seq and id, so a report reads "line 19, seq 17, record chatcmpl-abc: broken-chain: ...".
+Records before it count as good.
 
 Deleting records from the end of a segment leaves a valid shorter segment; only a signed tree head
 the auditor kept from earlier can reveal it, which is why `tree_head` is accepted here.
+
+`verify_ledger` checks every segment of a ledger directory, one per node start, each under its own key.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,15 @@ from typing import Any
 from metering.canonical import CanonicalJsonError, parse_canonical
 from metering.merkle import MerkleTree, leaf_hash
 from metering.record import ZERO_HASH, CostMismatch, RecordError, UsageRecord
-from metering.segment import SegmentContents, SegmentFormatError, SegmentHeader, parse_header, read_segment
+from metering.segment import (
+    SegmentContents,
+    SegmentFormatError,
+    SegmentHeader,
+    parse_header,
+    read_header,
+    read_segment,
+    segment_files,
+)
 from metering.signer import SignatureInvalid, key_id_for, public_key_from_hex, verify_signed_object
 from metering.tree_head import TreeHead, TreeHeadError, load_tree_head
 
@@ -35,6 +46,7 @@ PROBLEM_KINDS: tuple[str, ...] = (
     "invalid-record",  # signed, but a field is out of range (e.g. cached > input)
     "cost-mismatch",  # signed, but cost_wei differs from counts x prices
     "boot-mismatch",  # a record of another node start (segment) was spliced in
+    "evidence-mismatch",  # signed, but a record names other attestation evidence than its segment
     "duplicate",  # a seq that was already seen appears again
     "reordered",  # a later seq appears before an earlier one that is still in the file
     "sequence-gap",  # seqs are missing: records were deleted
@@ -74,6 +86,7 @@ class VerifyReport:
     root_hash_hex: str  # Merkle root over the good records
     problem: Problem | None  # the first problem found
     tree_head_size: int | None  # size of the tree head checked, if one was given
+    evidence_digest: str | None  # what the verified header names; None when it did not verify
 
     @property
     def ok(self) -> bool:
@@ -99,7 +112,42 @@ def verify_segment(
         root_hash_hex=check.tree.root().hex(),
         problem=problem,
         tree_head_size=None if head is None else head.size,
+        evidence_digest=None if check.header is None else check.header.evidence_digest,
     )
+
+
+def verify_ledger(
+    path: str | os.PathLike[str], trusted_keys: Collection[str] = ()
+) -> tuple[VerifyReport, ...]:
+    """Verify each segment of a ledger (a segment file, or a directory holding one per node start).
+
+    Each node start signs with its own key, so each segment is verified under the key its header names.
+    With `trusted_keys` (public keys, 64 hex) that key must be one of them. Without, a report proves the
+    segment whole and signed by its own key; that the key is the node's comes from the attestation evidence
+    the report names. Raises SegmentFormatError for a segment whose header cannot be read, SignatureInvalid
+    for a malformed trusted key.
+    """
+    trusted = {public_key_from_hex(key) for key in trusted_keys}
+    reports = []
+    for segment in segment_files(path):
+        header = read_header(segment)
+        if trusted and bytes.fromhex(header.public_key) not in trusted:
+            known = ", ".join(sorted(key_id_for(key) for key in trusted))
+            detail = f"segment is signed by key {header.node_key_id}, which is not a trusted key ({known})"
+            reports.append(
+                VerifyReport(
+                    path=segment,
+                    node_key_id=header.node_key_id,
+                    good_records=0,
+                    root_hash_hex=MerkleTree().root().hex(),
+                    problem=Problem("foreign-key", 1, None, None, detail),
+                    tree_head_size=None,
+                    evidence_digest=None,
+                )
+            )
+        else:
+            reports.append(verify_segment(segment, header.public_key))
+    return tuple(reports)
 
 
 def _as_tree_head(value: TreeHead | Mapping[str, Any] | str | os.PathLike[str] | None) -> TreeHead | None:
@@ -124,6 +172,7 @@ class _SegmentCheck:
         self.tree = MerkleTree()
         self.prev_hash = ZERO_HASH
         self.record_ids: set[str] = set()
+        self.header: SegmentHeader | None = None  # set once the header verified
 
     def run(self) -> Problem | None:
         lines = self.contents.lines
@@ -173,6 +222,7 @@ class _SegmentCheck:
             verify_signed_object(self.public_key_hex, header.to_json())
         except SignatureInvalid as exc:
             return Problem("bad-signature", 1, None, None, f"segment header: {exc}"), None
+        self.header = header
         return None, header
 
     def check_record(self, raw: bytes, header: SegmentHeader, expected_comes_later: bool) -> _Finding | None:
@@ -204,6 +254,11 @@ class _SegmentCheck:
                 "boot-mismatch",
                 f"record is from node start {record.boot_id}, the segment is {header.boot_id}",
             )
+        if record.evidence_digest != header.evidence_digest:
+            return (
+                "evidence-mismatch",
+                f"record names evidence {record.evidence_digest}, the segment {header.evidence_digest}",
+            )
         if record.seq < expected:
             return "duplicate", f"seq {record.seq} was already seen; expected seq {expected}"
         if record.seq > expected:
@@ -228,6 +283,10 @@ class _SegmentCheck:
             head.verify(self.public_key_hex)
         except TreeHeadError as exc:
             return Problem("bad-tree-head", None, None, None, str(exc))
+        assert self.header is not None  # the records were checked first
+        if head.evidence_digest != self.header.evidence_digest:
+            detail = f"tree head names evidence {head.evidence_digest}, the segment {self.header.evidence_digest}"
+            return Problem("bad-tree-head", None, None, None, detail)
         if head.size > len(self.tree):
             detail = (
                 f"the tree head covers {head.size} records, the segment has {len(self.tree)}: "

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from node.config import Caller, ConfigError, hash_key, load_config
-from node.errors import forbidden, unauthorized
+from node.errors import PermissionDenied, Unauthenticated
 from node.log_privacy import Safe
 
 log = logging.getLogger(__name__)
@@ -60,24 +60,26 @@ class KeyRing:
                 self._on_removed(name)
 
     def caller_for(self, authorization: str | None) -> Caller:
-        """The caller of an `Authorization` header value; raises a 401 ApiError otherwise."""
+        """The caller of an `Authorization` header value; raises Unauthenticated otherwise."""
         if not authorization:
-            raise unauthorized("missing API key: send the header 'Authorization: Bearer <key>'")
+            raise Unauthenticated("missing API key: send the header 'Authorization: Bearer <key>'")
         scheme, _, key = authorization.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise unauthorized("malformed Authorization header: expected 'Bearer <key>'")
+            raise Unauthenticated("malformed Authorization header: expected 'Bearer <key>'")
         if not key.isascii():  # keys are ASCII; a header with other bytes is no key (and never a 500)
-            raise unauthorized("invalid API key")
+            raise Unauthenticated("invalid API key")
         self.refresh()
         digest = hash_key(key.strip())
         for known, caller in self._by_hash.items():
             if hmac.compare_digest(known, digest):
                 return caller
-        raise unauthorized("invalid API key")
+        raise Unauthenticated("invalid API key")
 
-    def operator_for(self, authorization: str | None, what: str) -> Caller:
-        """The caller of `authorization` if its role is operator; raises a 401 or 403 ApiError otherwise."""
-        caller = self.caller_for(authorization)
-        if caller.role != "operator":
-            raise forbidden(f"{what} needs an operator key ('tenzro keys add NAME --role operator')")
-        return caller
+
+def require_operator(caller: Caller | None, what: str) -> Caller:
+    """`caller` if its role is operator; raises Unauthenticated (no key) or PermissionDenied otherwise."""
+    if caller is None:
+        raise Unauthenticated(f"{what} needs an operator key: send the header 'Authorization: Bearer <key>'")
+    if caller.role != "operator":
+        raise PermissionDenied(f"{what} needs an operator key ('tenzro keys add NAME --role operator')")
+    return caller

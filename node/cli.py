@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from attestation.cli import add_verify_parser
 from metering.ledger import LedgerError
 from metering.pricing import PricingError, load_pricing
 from node.audit_timing import add_audit_commands
@@ -61,7 +62,10 @@ def _metering_lines(meter: Meter, paths: MeteringPaths, created_prices: bool) ->
 
 def _serve(args: argparse.Namespace) -> int:
     # First, so that the memory lock covers everything loaded after it.
-    from node.hygiene import HygienePolicyError, apply_hygiene, load_hygiene_policy, without_chunk_cache
+    from attestation.errors import EvidenceUnavailable
+    from node.hygiene import HygienePolicy, apply_hygiene, without_chunk_cache
+    from node.identity import NodeIdentity
+    from policies.node_policy import NodePolicyError, hardware_unmet, load_node_policy, with_jurisdiction
 
     environment = without_chunk_cache()
     if environment is not None:  # once: glibc reads its tunables only when a process starts
@@ -69,13 +73,19 @@ def _serve(args: argparse.Namespace) -> int:
 
     hygiene = apply_hygiene()
     try:
-        hygiene_policy = load_hygiene_policy(args.hygiene_policy)
-    except HygienePolicyError as exc:
+        policy = load_node_policy(args.policy)
+        if args.jurisdiction:
+            policy = with_jurisdiction(policy, args.jurisdiction)
+        # The key first, then the evidence binding it: a TEE interface that fails stops the start here.
+        identity = NodeIdentity.start()
+    except (NodePolicyError, EvidenceUnavailable) as exc:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
-    missing = hygiene_policy.missing(hygiene, sealing=args.no_reuse or not args.no_seal)
+    evidence = identity.evidence
+    missing = HygienePolicy(policy).missing(hygiene, sealing=args.no_reuse or not args.no_seal) + [
+        unmet.message for unmet in hardware_unmet(policy, evidence.evidence_type, evidence.trusted)]
     if missing:
-        print(f"tenzro: error: the hygiene policy '{hygiene_policy.name}' is not met:\n"
+        print(f"tenzro: error: the node policy '{policy.name}' is not met:\n"
               + "\n".join(f"  - {line}" for line in missing), file=sys.stderr)
         return 2
 
@@ -90,7 +100,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cache.arena import new_prefix_cache
     from cache.snapshot_policy import PolicyError, SnapshotPolicy
-    from node.app import METER, create_app
+    from node.api.app import create_app
+    from node.api.keys import METER
     from node.engine.loader import ModelLoadError, load_model, resolve_model_dir
     from node.meter import MeteringPaths, ensure_price_file
     from node.service import ModelService
@@ -113,16 +124,16 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
     try:
-        policy = SnapshotPolicy.named(args.reuse_policy, args.snapshot_interval)
+        reuse_policy = SnapshotPolicy.named(args.reuse_policy, args.snapshot_interval)
     except PolicyError as exc:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
     budget = dataclasses.replace(config.cache, eviction=args.eviction) if args.eviction else config.cache
     prefix_cache = None if args.no_reuse else new_prefix_cache(budget, sealed=not args.no_seal,
                                                                plaintext_bytes=config.plaintext_bytes)
-    service = ModelService.create(loaded, prefix_cache, config.limits.max_queue, policy)
-    app = create_app(config, config_path, service, metering, hygiene={**hygiene.as_json(),
-                                                                      "policy": hygiene_policy.name})
+    service = ModelService.create(loaded, prefix_cache, config.limits.max_queue, reuse_policy)
+    app = create_app(config, config_path, service, metering, identity, policy,
+                     hygiene={**hygiene.as_json(), "policy": policy.name})
     # The model, tokenizer and app are loaded for good: out of the collector's reach, a full collection
     # (which a request building many objects, e.g. 20,000 messages, sets off) no longer walks them all
     # while holding the interpreter lock (/health stalled 240 ms during such a request before, 16 ms after).
@@ -222,9 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="under a tight budget, evict by compute saved per byte and recency (value, the "
                             "default) or by recency alone (lru)")
     serve.add_argument("--threads", type=int, default=default_threads(), help="torch CPU threads")
-    serve.add_argument("--hygiene-policy", default="standard",
-                       help="confidential, standard (the default) or a policy YAML file: what the node refuses to "
-                            "start without (locked memory, no swap, sealing)")
+    serve.add_argument("--policy", default="standard",
+                       help="node policy: confidential, standard (the default) or a policy YAML file: the node's "
+                            "jurisdiction and trust tier, and what it refuses to start without (locked memory, no "
+                            "swap, sealing, confidential hardware)")
+    serve.add_argument("--jurisdiction", metavar="CC",
+                       help="the ISO 3166-1 alpha-2 country the node runs in, over the policy's `jurisdiction`")
     serve.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                        help="weights dtype (default: float32 on CPU, bfloat16 on CUDA)")
@@ -303,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     scenarios.add_argument("--device")
     scenarios.set_defaults(func=_bench_scenarios)
     add_audit_commands(groups)
+    attest = groups.add_parser("attest", help="attestation evidence").add_subparsers(dest="command", required=True)
+    add_verify_parser(attest)
     return parser
 
 

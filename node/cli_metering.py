@@ -1,17 +1,28 @@
 """The `tenzro metering ...` and `tenzro provider pricing ...` commands: offline ledger checks and prices.
 
 Kept apart from the serving CLI so that auditors can run verification without the engine: this
-module imports only the standard library and `metering`.
+module imports only the standard library, `metering` and `attestation` (and `node.identity`'s boot nonce).
+
+`metering verify` checks each segment's signatures and chain, and then whom the key belongs to: either keys
+the auditor trusts (`--node-key`), or the attestation evidence each segment names (`--evidence`, by default
+the `<boot_id>.evidence.json` files the node writes beside its segments): the evidence must verify (against
+`--trust-root`; `none` evidence only with `--allow-none`, and then it is reported untrusted), be the boot's
+own (its nonce derived from the boot id), and bind the very key that signs the segment.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
+from attestation.chain import TrustRoots, load_trust_roots
+from attestation.errors import MalformedEvidence, VerificationError
+from attestation.evidence import evidence_digest
+from attestation.verify import verify_evidence
 from metering.bill import Bill, UsageTotals, bill
 from metering.pricing import (
     DEFAULT_PRICING,
@@ -21,10 +32,12 @@ from metering.pricing import (
     load_pricing,
     save_pricing,
 )
-from metering.segment import SegmentFormatError
+from metering.segment import SegmentFormatError, read_header, segment_files
 from metering.signer import SignatureInvalid
+from metering.sla import Percentiles, SlaReport, sla
 from metering.tree_head import TreeHeadError
-from metering.verify import verify_segment
+from metering.verify import VerifyReport, verify_ledger, verify_segment
+from node.identity import EVIDENCE_SUFFIX, boot_nonce
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -48,7 +61,7 @@ def default_pricing_path() -> Path:
 
 
 def add_metering_commands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add `metering {verify,bill}` and `provider pricing {set,show}` to a CLI's subcommands.
+    """Add `metering {verify,bill,sla}` and `provider pricing {set,show}` to a CLI's subcommands.
 
     Every leaf parser sets `func`, a callable taking the parsed Namespace and returning the exit code.
     A CLI that already has its own `provider` parser calls `add_pricing_commands` on it instead.
@@ -56,21 +69,66 @@ def add_metering_commands(subparsers: argparse._SubParsersAction) -> None:  # ty
     metering = subparsers.add_parser("metering", help="verify signed usage ledgers and bill callers")
     metering_commands = metering.add_subparsers(dest="metering_command", required=True)
 
-    verify = metering_commands.add_parser("verify", help="verify a ledger segment offline")
-    verify.add_argument("ledger", metavar="LEDGER", help="segment file (ledger-<boot_id>.jsonl)")
-    verify.add_argument("--node-key", required=True, metavar="HEX", help="trusted node public key, 64 hex")
-    verify.add_argument("--tree-head", metavar="FILE", help="signed tree head JSON the segment must match")
+    verify = metering_commands.add_parser("verify", help="verify a ledger offline, and whose key signed it")
+    verify.add_argument("ledger", metavar="LEDGER", help="segment file (ledger-<boot_id>.jsonl) or ledger directory")
+    verify.add_argument("--node-key", action="append", default=[], metavar="HEX",
+                        help="trusted node public key, 64 hex; repeat for each node start")
+    verify.add_argument("--tree-head", metavar="FILE", help="signed tree head JSON a single segment must match")
+    verify.add_argument("--evidence", action="append", default=[], metavar="FILE|DIR",
+                        help="attestation evidence documents (default with --trust-root or --allow-none: the "
+                             "*.evidence.json beside the segments); each segment's key must be the one its "
+                             "evidence binds")
+    verify.add_argument("--trust-root", metavar="DIR", help="trust roots for the evidence: ark.pem, ask.pem, "
+                        "intel_root.pem (see `tenzro attest verify`)")
+    verify.add_argument("--allow-none", action="store_true",
+                        help="accept evidence of type none (a node without a TEE), reported as untrusted")
     verify.set_defaults(func=run_verify)
 
     bill_parser = metering_commands.add_parser("bill", help="total a caller's usage and cost")
     bill_parser.add_argument("ledger", metavar="LEDGER", help="segment file or ledger directory")
     bill_parser.add_argument("--caller", required=True, metavar="ID", help="caller id to bill")
-    bill_parser.add_argument("--since", metavar="TIME", help="inclusive start: ISO 8601 or Unix ms")
-    bill_parser.add_argument("--until", metavar="TIME", help="exclusive end: ISO 8601 or Unix ms")
+    _add_window_arguments(bill_parser)
     bill_parser.set_defaults(func=run_bill)
+
+    sla_parser = metering_commands.add_parser(
+        "sla", help="verify a ledger, then check a caller's time to first token against a promise"
+    )
+    sla_parser.add_argument("ledger", metavar="LEDGER", help="segment file or ledger directory")
+    sla_parser.add_argument("--caller", required=True, metavar="ID", help="caller id to report on")
+    sla_parser.add_argument(
+        "--ttft-ms", required=True, type=int, metavar="N", help="promised time to first token, ms from enqueue"
+    )
+    sla_parser.add_argument("--model", metavar="M", help="only this model's records")
+    _add_window_arguments(sla_parser)
+    sla_parser.add_argument(
+        "--node-key",
+        action="append",
+        default=[],
+        metavar="HEX",
+        help="trusted node public key, 64 hex; repeat for each node start (default: each segment's own key, "
+        "which the attestation evidence it names must bind)",
+    )
+    sla_parser.set_defaults(func=run_sla)
 
     provider = subparsers.add_parser("provider", help="provider settings")
     add_pricing_commands(provider.add_subparsers(dest="provider_command", required=True))
+
+
+def _add_window_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--since", metavar="TIME", help="inclusive start: ISO 8601 or Unix ms")
+    parser.add_argument("--until", metavar="TIME", help="exclusive end: ISO 8601 or Unix ms")
+
+
+def _window_ms(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """The --since and --until times, in Unix ms."""
+    return (
+        None if args.since is None else parse_time_ms(args.since),
+        None if args.until is None else parse_time_ms(args.until),
+    )
+
+
+def _window_text(since_ms: int | None, until_ms: int | None) -> str:
+    return f"from {'start' if since_ms is None else since_ms} ms to {'now' if until_ms is None else until_ms} ms"
 
 
 def add_pricing_commands(provider_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -96,21 +154,90 @@ def add_pricing_commands(provider_subparsers: argparse._SubParsersAction) -> Non
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    attested = bool(args.evidence or args.trust_root or args.allow_none)
+    if not args.node_key and not attested:
+        print("cannot verify: say whose key to trust: --node-key HEX, or the attestation evidence each segment "
+              "names (--trust-root DIR, --evidence FILE, --allow-none)")
+        return 2
     try:
-        report = verify_segment(args.ledger, args.node_key, args.tree_head)
-    except (OSError, SignatureInvalid, TreeHeadError) as exc:
+        if args.tree_head:
+            segments = segment_files(args.ledger)
+            if len(segments) != 1:
+                print("cannot verify: --tree-head checks one segment; name its file")
+                return 2
+            key = args.node_key[0] if args.node_key else read_header(segments[0]).public_key
+            reports: tuple[VerifyReport, ...] = (verify_segment(segments[0], key, args.tree_head),)
+        else:
+            reports = verify_ledger(args.ledger, args.node_key)
+        documents = _evidence_documents(args.evidence or [Path(args.ledger) if Path(args.ledger).is_dir()
+                                                          else Path(args.ledger).parent]) if attested else {}
+        roots = load_trust_roots(args.trust_root) if args.trust_root else NO_TRUST_ROOTS
+    except (OSError, SignatureInvalid, TreeHeadError, SegmentFormatError, VerificationError,
+            MalformedEvidence) as exc:
         print(f"cannot verify: {exc}")
         return 1
+    if not reports:
+        print(f"cannot verify: no ledger segment in {args.ledger}")
+        return 1
+    ok = True
+    for report in reports:
+        print(format_verify_report(report))
+        ok &= report.ok
+        if attested and report.ok:
+            line, attested_ok = attest_segment(report, documents, roots, args.allow_none)
+            print(line)
+            ok &= attested_ok
+    return 0 if ok else 1
+
+
+NO_TRUST_ROOTS = TrustRoots(Path("<no --trust-root given>"), (), (), ())
+
+
+def _evidence_documents(paths: list[Path]) -> dict[str, dict[str, object]]:
+    """Evidence documents by digest, from files and from directories' *.evidence.json."""
+    files = [file for path in map(Path, paths)
+             for file in (sorted(path.glob(f"*{EVIDENCE_SUFFIX}")) if path.is_dir() else [path])]
+    documents = {}
+    for file in files:
+        try:
+            document = json.loads(file.read_text())
+            documents[evidence_digest(document)] = document
+        except (ValueError, TypeError, MalformedEvidence) as exc:
+            raise MalformedEvidence(f"{file} is not an evidence document: {exc}") from exc
+    return documents
+
+
+def attest_segment(report: VerifyReport, documents: dict[str, dict[str, object]], roots: TrustRoots,
+                   allow_none: bool) -> tuple[str, bool]:
+    """Whether the evidence a verified segment names verifies and binds the key that signed the segment."""
+    header = read_header(report.path)
+    document = documents.get(header.evidence_digest)
+    if document is None:
+        return (f"FAILED {report.path}: no evidence document with digest {header.evidence_digest} "
+                "(give it with --evidence)"), False
+    try:
+        result = verify_evidence(document, roots, expected_nonce=boot_nonce(header.boot_id), allow_none=allow_none)
+    except VerificationError as exc:
+        return f"FAILED {report.path}: its evidence does not verify: {exc.reason}: {exc}", False
+    if result.public_key_hex != header.public_key:
+        return (f"FAILED {report.path}: signed by key {header.public_key}, but its evidence binds key "
+                f"{result.public_key_hex}"), False
+    trust = "trusted" if result.trusted else "UNTRUSTED (no TEE)"
+    return f"ATTESTED {report.path}: key bound by {result.evidence_type} evidence {result.digest}, {trust}", True
+
+
+def format_verify_report(report: VerifyReport) -> str:
+    """One line when the segment verifies (with the attestation evidence it names), two when it does not."""
     head = "" if report.tree_head_size is None else f", tree head of {report.tree_head_size} records"
     if report.ok:
-        print(
-            f"OK {report.path}: {report.good_records} records verified under key {report.node_key_id}"
-            f"{head}; Merkle root {report.root_hash_hex}"
+        return (
+            f"OK {report.path}: {report.good_records} records verified under key {report.node_key_id} "
+            f"(evidence {report.evidence_digest}){head}; Merkle root {report.root_hash_hex}"
         )
-        return 0
-    print(f"FAILED {report.path}: {report.problem}")
-    print(f"{report.good_records} records before it verified under key {report.node_key_id}{head}")
-    return 1
+    return (
+        f"FAILED {report.path}: {report.problem}\n"
+        f"{report.good_records} records before it verified under key {report.node_key_id}{head}"
+    )
 
 
 def parse_time_ms(text: str) -> int:
@@ -130,8 +257,7 @@ def parse_time_ms(text: str) -> int:
 
 def run_bill(args: argparse.Namespace) -> int:
     try:
-        since_ms = None if args.since is None else parse_time_ms(args.since)
-        until_ms = None if args.until is None else parse_time_ms(args.until)
+        since_ms, until_ms = _window_ms(args)
         result = bill(args.ledger, args.caller, since_ms, until_ms)
     except (OSError, SegmentFormatError, ValueError) as exc:
         print(f"cannot bill: {exc}")
@@ -158,22 +284,67 @@ def _bill_row(model: str, status: str, totals: UsageTotals) -> tuple[str, ...]:
 
 def format_bill(result: Bill) -> str:
     """A fixed-width table: one row per (model, status), then the totals row."""
-    window = (
-        f"from {'start' if result.since_ms is None else result.since_ms} ms "
-        f"to {'now' if result.until_ms is None else result.until_ms} ms"
-    )
+    window = _window_text(result.since_ms, result.until_ms)
     rows: list[tuple[str, ...]] = [_BILL_COLUMNS]
     rows += [_bill_row(line.model, line.status, line.totals) for line in result.lines]
     rows.append(_bill_row("TOTAL", "", result.total))
-    widths = [max(len(row[column]) for row in rows) for column in range(len(_BILL_COLUMNS))]
-    out = [f"caller {result.caller_id}, {window}, {result.segments} segment(s)"]
-    for row in rows:
-        cells = [
-            cell.ljust(width) if column < 2 else cell.rjust(width)
+    return "\n".join([f"caller {result.caller_id}, {window}, {result.segments} segment(s)", *_table(rows, 2)])
+
+
+def _table(rows: list[tuple[str, ...]], text_columns: int) -> list[str]:
+    """Fixed-width lines: the first `text_columns` columns left-aligned, the numbers after them right-aligned."""
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.ljust(width) if column < text_columns else cell.rjust(width)
             for column, (cell, width) in enumerate(zip(row, widths, strict=True))
-        ]
-        out.append("  ".join(cells).rstrip())
-    return "\n".join(out)
+        ).rstrip()
+        for row in rows
+    ]
+
+
+def run_sla(args: argparse.Namespace) -> int:
+    """Verify every segment first: numbers read from a ledger that does not verify prove nothing."""
+    try:
+        since_ms, until_ms = _window_ms(args)
+        reports = verify_ledger(args.ledger, args.node_key)
+        for report in reports:
+            print(format_verify_report(report))
+        if not all(report.ok for report in reports):
+            print("no SLA report: the ledger does not verify")
+            return 1
+        result = sla(args.ledger, args.caller, args.ttft_ms, since_ms, until_ms, args.model)
+    except (OSError, SegmentFormatError, SignatureInvalid, ValueError) as exc:
+        print(f"cannot report: {exc}")
+        return 1
+    print(format_sla(result))
+    return 0
+
+
+def _percentile_row(name: str, percentiles: Percentiles | None) -> tuple[str, ...]:
+    if percentiles is None:
+        return (name, "-", "-", "-")
+    return (name, str(percentiles.p50), str(percentiles.p90), str(percentiles.p99))
+
+
+def format_sla(result: SlaReport) -> str:
+    """The window, the share of requests whose first token came in time, and a table of percentiles."""
+    window = _window_text(result.since_ms, result.until_ms)
+    model = "every model" if result.model is None else f"model {result.model}"
+    share = f"{result.met}/{result.requests}"
+    basis_points = result.met_basis_points
+    share += " (no requests)" if basis_points is None else f" = {basis_points // 100}.{basis_points % 100:02d}%"
+    rows = [
+        ("ms", "p50", "p90", "p99"),
+        _percentile_row("ttft_ms", result.ttft_ms),
+        _percentile_row("total_ms", result.total_ms),
+    ]
+    return "\n".join([
+        f"caller {result.caller_id}, {model}, {window}, {result.segments} segment(s)",
+        f"requests {result.requests}, with a first token {result.first_tokens}",
+        f"ttft_ms <= {result.ttft_limit_ms}: {share}",
+        *_table(rows, 1),
+    ])
 
 
 def format_pricing(schedule: PriceSchedule) -> str:

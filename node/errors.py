@@ -1,49 +1,82 @@
-"""Typed API errors; only the HTTP layer turns them into OpenAI-shaped JSON bodies."""
+"""Why the node refuses a request, as domain errors; only the HTTP layer (`node/api/middleware.py`) maps each
+kind to a status code and an OpenAI-shaped body."""
 
 from __future__ import annotations
 
 from typing import Any
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None, retry_after_s: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.retry_after_s = retry_after_s
-        """Seconds after which a retry makes sense (sent as `Retry-After`); None where a retry would fail again."""
+class NodeError(Exception):
+    """A refusal: `message` says what to change, `param` names the request field at fault, `code` is a stable
+    machine-readable id, `retry_after_s` how long a retry should wait (None: a retry fails again)."""
 
-    def headers(self) -> dict[str, str]:
-        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+    kind = "invalid_request_error"
+    """OpenAI's error `type`."""
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.default_code
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
+class InvalidRequest(NodeError):
+    """The request itself is wrong: a field, the body, the prompt's size."""
 
 
-def unauthorized(message: str) -> ApiError:
-    return ApiError(401, message, code="invalid_api_key")
+class Unauthenticated(NodeError):
+    default_code = "invalid_api_key"
 
 
-def model_not_found(model: str) -> ApiError:
-    return ApiError(404, f"the model {model!r} does not exist on this node; GET /v1/models lists the models",
+class PermissionDenied(NodeError):
+    kind = "permission_error"
+    default_code = "forbidden"
+
+
+class NotFound(NodeError):
+    kind = "not_found_error"
+
+
+class RequirementNotMet(NodeError):
+    """The caller requires what this node does not offer (confidential hardware, a jurisdiction, a price
+    ceiling): refused before any compute. `param` names the requirement."""
+
+    default_code = "requirement_not_met"
+
+
+class Overloaded(NodeError):
+    kind = "server_error"
+    default_code = "queue_full"
+
+
+class Unavailable(NodeError):
+    """A part the node needs to answer is failing (the ledger's disk, the TEE interface)."""
+
+    kind = "server_error"
+
+
+class ModelFailure(NodeError):
+    kind = "server_error"
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> InvalidRequest:
+    return InvalidRequest(message, param=param, code=code)
+
+
+def model_not_found(model: str) -> NotFound:
+    return NotFound(f"the model {model!r} does not exist on this node; GET /v1/models lists the models",
                     param="model", code="model_not_found")
-
-
-def forbidden(message: str) -> ApiError:
-    return ApiError(403, message, type="permission_error", code="forbidden")
 
 
 QUEUE_RETRY_AFTER_S = 1
 """A full queue drains at the pace of generation: a second is a fair first back-off."""
 
 
-def queue_full(message: str) -> ApiError:
-    return ApiError(503, message, type="server_error", code="queue_full", retry_after_s=QUEUE_RETRY_AFTER_S)
+def queue_full(message: str) -> Overloaded:
+    return Overloaded(message, retry_after_s=QUEUE_RETRY_AFTER_S)

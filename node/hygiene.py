@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from policies.node_policy import NodePolicy, NodePolicyError, load_node_policy
+from policies.node_policy import NodePolicy
 
 # From <sys/mman.h> and <linux/prctl.h>.
 MCL_CURRENT = 1
@@ -213,12 +213,3 @@ class HygienePolicy:
             sentences.append("stored prompt state is not sealed: serve without --no-seal, or with --no-reuse so "
                              "that no prompt state is stored")
         return sentences
-
-
-HygienePolicyError = NodePolicyError
-"""The name `tenzro serve` catches; one error type for every node policy problem."""
-
-
-def load_hygiene_policy(name_or_path: str) -> HygienePolicy:
-    """A node policy (`policies.node_policy.load_node_policy`), for its hygiene check."""
-    return HygienePolicy(load_node_policy(name_or_path))

@@ -1,16 +1,19 @@
 """The metering of one node start: its signing key, ledger segment and prices, fed by the engine's jobs.
 
 Every completion the node accepted gets one signed record under the completion id the client saw,
-whether it completed, failed or was cancelled. The record is appended before the handler sees the
-job's outcome, so a client that has a response can already look its record up. When a handler stops
-listening first (the client went away), the meter keeps waiting for the cancelled job's outcome in
-the background and records that. Appends fsync, so they run in a worker thread, off the event loop.
+whether it completed, failed or was cancelled, with its token counts and service times (`Latency`).
+The record is appended before the handler sees the job's outcome, so a client that has a response can
+already look its record up. When a handler stops listening first (the client went away), the meter keeps
+waiting for the cancelled job's outcome in the background and records that. Appends fsync, so they run in
+a worker thread, off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -19,7 +22,7 @@ from typing import Any
 
 from metering.ledger import Ledger, LedgerError
 from metering.pricing import PricingSource, load_pricing, save_pricing
-from metering.record import RecordStatus, TokenCounts, UsageRecord
+from metering.record import Latency, RecordStatus, TokenCounts, UsageRecord
 from metering.signer import NodeSigner
 from node.engine.scheduler import Event, Failed, Finished, Job
 from node.log_privacy import Safe
@@ -32,6 +35,8 @@ DEFAULT_PRICE_POLICY = policy_file("pricing.yaml")
 the node as package data (a wheel has no source tree to read it from)."""
 
 NO_TOKENS = TokenCounts(input_tokens=0, cached_read_tokens=0, cached_write_tokens=0, output_tokens=0)
+NOT_QUEUED = Latency(queue_wait_ms=0, ttft_ms=0, total_ms=0)
+"""The times of a completion whose job was never queued."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +82,33 @@ def usage_of(outcome: Finished | Failed) -> tuple[RecordStatus, TokenCounts]:
                                output_tokens=len(result.output_ids))
 
 
+def latency_of(outcome: Finished | Failed, total_s: float) -> Latency:
+    """The service times of a job whose `outcome` arrived `total_s` seconds after the job's enqueue.
+
+    The engine measures its queue wait from the enqueue and its time to first token from the job's start,
+    so the first token comes `queue_wait_s + ttft_s` after the enqueue. A job cancelled while it waited never
+    started: it waited the whole time. A failure tells neither when the job started nor whether a token came.
+    """
+    total_ms = _ms(total_s)
+    if isinstance(outcome, Failed):
+        never_started = isinstance(outcome.error, asyncio.CancelledError)
+        return Latency(queue_wait_ms=total_ms if never_started else 0, ttft_ms=0, total_ms=total_ms)
+    result = outcome.result
+    queue_wait_ms = _ms(result.queue_wait_s)
+    ttft_ms = _ms(result.queue_wait_s + result.ttft_s) if result.output_ids else 0
+    # The engine's intervals and this one are measured apart: their float rounding must not put the end first.
+    return Latency(queue_wait_ms, ttft_ms, max(total_ms, ttft_ms, queue_wait_ms))
+
+
+def _ms(seconds: float) -> int:
+    """Whole milliseconds, rounded up as `Latency` defines."""
+    return math.ceil(seconds * 1000)
+
+
+def _since_enqueue(job: Job) -> float:
+    return time.perf_counter() - job.enqueued_at
+
+
 class Meter:
     """Signer, ledger and price source of this node start, and the jobs still to be recorded."""
 
@@ -87,25 +119,29 @@ class Meter:
         self._following: set[asyncio.Task[None]] = set()
 
     @classmethod
-    def open(cls, paths: MeteringPaths) -> Meter:
-        """A new key and a new segment; raises PricingError or LedgerError when either cannot be used."""
+    def open(cls, paths: MeteringPaths, signer: NodeSigner, evidence_digest: str, boot_id: str | None = None
+             ) -> Meter:
+        """A new segment signed by this start's new key `signer`, whose header, records and tree heads name
+        `evidence_digest`: the SHA-256 hex of the attestation evidence that binds the key (so the key comes
+        first, then the evidence, then the meter). Raises PricingError, LedgerError or RecordError (a
+        malformed digest) when one cannot be used."""
         pricing = PricingSource(paths.pricing_file)  # first: bad prices must not leave an empty segment behind
-        signer = NodeSigner.generate()
-        return cls(signer, Ledger(paths.ledger_dir, signer, boot_id=uuid.uuid4().hex), pricing)
+        ledger = Ledger(paths.ledger_dir, signer, boot_id or uuid.uuid4().hex, evidence_digest=evidence_digest)
+        return cls(signer, ledger, pricing)
 
     @property
     def boot_id(self) -> str:
         return self.ledger.boot_id
 
-    def _append(self, completion: Completion, outcome: Finished | Failed) -> UsageRecord:
+    def _append(self, completion: Completion, outcome: Finished | Failed, latency: Latency) -> UsageRecord:
         status, counts = usage_of(outcome)
         return self.ledger.append(record_id=completion.record_id, caller_id=completion.caller_id,
                                   model=completion.model, status=status, counts=counts,
-                                  prices=self.pricing.current())
+                                  prices=self.pricing.current(), latency=latency)
 
-    async def record(self, completion: Completion, outcome: Finished | Failed) -> UsageRecord:
+    async def record(self, completion: Completion, outcome: Finished | Failed, latency: Latency) -> UsageRecord:
         """Sign and durably append the record of `outcome`, with the prices in force now."""
-        return await asyncio.to_thread(self._append, completion, outcome)
+        return await asyncio.to_thread(self._append, completion, outcome, latency)
 
     def track(self, job: Job, completion: Completion) -> MeteredJob:
         return MeteredJob(self, job, completion)
@@ -117,23 +153,23 @@ class Meter:
     def record_unstarted(self, completion: Completion) -> None:
         """Record, as cancelled with no tokens, a completion whose client may have seen its id (a stream's
         first chunk) but went away before its job was queued."""
-        self._in_background(self._record_quietly(completion, Failed(asyncio.CancelledError())))
+        self._in_background(self._record_quietly(completion, Failed(asyncio.CancelledError()), NOT_QUEUED))
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._following.add(task)
         task.add_done_callback(self._following.discard)
 
-    async def _record_quietly(self, completion: Completion, outcome: Finished | Failed) -> None:
+    async def _record_quietly(self, completion: Completion, outcome: Finished | Failed, latency: Latency) -> None:
         try:
-            await self.record(completion, outcome)
+            await self.record(completion, outcome, latency)
         except LedgerError as exc:
             log.error("the usage of a cancelled completion was not recorded: %s", Safe(exc))
 
     async def _record_when_done(self, job: Job, completion: Completion) -> None:
         while not isinstance(event := await job.events.get(), Finished | Failed):
             pass
-        await self._record_quietly(completion, event)
+        await self._record_quietly(completion, event, latency_of(event, _since_enqueue(job)))
 
     async def close(self, timeout_s: float) -> None:
         """Record the followed jobs (cancelled, so they end soon while the engine runs), then close."""
@@ -155,13 +191,15 @@ class MeteredJob:
         self.job = job
         self.completion = completion
         self.ended = False
+        self.record: UsageRecord | None = None
+        """The signed record of the outcome, once `next_event` returned it: what the response's usage reads."""
 
     async def next_event(self) -> Event:
         """The next event; raises LedgerError when the outcome could not be recorded."""
         event = await self.job.events.get()
         if isinstance(event, Finished | Failed):
             self.ended = True
-            await self.meter.record(self.completion, event)
+            self.record = await self.meter.record(self.completion, event, latency_of(event, _since_enqueue(self.job)))
         return event
 
     def close(self) -> None:

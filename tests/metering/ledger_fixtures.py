@@ -1,4 +1,5 @@
-"""Known keys, prices, clock and records shared by the metering tests (imported by conftest and tests)."""
+"""Known keys, evidence digest, prices, clock and records shared by the metering tests (imported by conftest
+and tests)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ from collections.abc import Callable
 
 from metering.ledger import Ledger
 from metering.pricing import PriceSchedule
-from metering.record import TokenCounts
+from metering.record import Latency, TokenCounts
 
 NODE_SEED = bytes(range(32))
 OTHER_SEED = bytes(range(32, 64))
 START_MS = 1_700_000_000_000
+EVIDENCE_DIGEST = "e1" * 32
+"""Stands for the SHA-256 of a node start's attestation evidence."""
+OTHER_EVIDENCE_DIGEST = "e2" * 32
 LedgerFactory = Callable[..., Ledger]
 """Type of the `make_ledger` fixture."""
 
@@ -38,9 +42,15 @@ def standard_counts(seq: int) -> TokenCounts:
     )
 
 
+def standard_latency(seq: int) -> Latency:
+    """Times of the seq-th standard record."""
+    return Latency(queue_wait_ms=10 * seq, ttft_ms=100 + 20 * seq, total_ms=300 + 50 * seq)
+
+
 def append_standard(ledger: Ledger, seq: int) -> None:
     """Append the seq-th standard record: id chatcmpl-<seq>, caller-a for even seq and caller-b for
-    odd, model tiny, status completed, counts `standard_counts(seq)`, prices PRICES."""
+    odd, model tiny, status completed, counts `standard_counts(seq)`, prices PRICES, times
+    `standard_latency(seq)`."""
     ledger.append(
         record_id=f"chatcmpl-{seq}",
         caller_id="caller-a" if seq % 2 == 0 else "caller-b",
@@ -48,4 +58,5 @@ def append_standard(ledger: Ledger, seq: int) -> None:
         status="completed",
         counts=standard_counts(seq),
         prices=PRICES,
+        latency=standard_latency(seq),
     )

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ledger_fixtures import PRICES, START_MS, LedgerFactory, StepClock
+from ledger_fixtures import EVIDENCE_DIGEST, PRICES, START_MS, LedgerFactory, StepClock
 
-from metering.bill import Bill, BillLine, UsageTotals, bill
+from metering.bill import Bill, BillLine, UsageTotals, bill, caller_records
 from metering.ledger import Ledger
 from metering.pricing import PriceSchedule
-from metering.record import RecordStatus, TokenCounts
+from metering.record import Latency, RecordStatus, TokenCounts
 from metering.signer import NodeSigner
 
 # Standard record seq s costs (95 - 9s) * 3 + 10s * 1 + 5 * 5 + (20 + s) * 11 = 530 - 6s wei.
@@ -67,8 +67,10 @@ def test_lines_per_model_and_status_across_segments(tmp_path: Path, node_signer:
         ("boot-2", "tiny", "cancelled", TokenCounts(7, 7, 0, 0), PRICES),  # 7
     ]
     ledgers = {
-        boot: Ledger(tmp_path, node_signer, boot, clock_ms=StepClock()) for boot in ("boot-1", "boot-2")
+        boot: Ledger(tmp_path, node_signer, boot, evidence_digest=EVIDENCE_DIGEST, clock_ms=StepClock())
+        for boot in ("boot-1", "boot-2")
     }
+    latency = Latency(queue_wait_ms=0, ttft_ms=0, total_ms=4)
     for index, (boot, model, status, counts, prices) in enumerate(entries):
         ledgers[boot].append(
             record_id=f"r{index}",
@@ -77,6 +79,7 @@ def test_lines_per_model_and_status_across_segments(tmp_path: Path, node_signer:
             status=status,
             counts=counts,
             prices=prices,
+            latency=latency,
         )
         ledgers[boot].append(
             record_id=f"other{index}",
@@ -85,6 +88,7 @@ def test_lines_per_model_and_status_across_segments(tmp_path: Path, node_signer:
             status=status,
             counts=counts,
             prices=prices,
+            latency=latency,
         )
     for ledger in ledgers.values():
         ledger.close()
@@ -97,6 +101,9 @@ def test_lines_per_model_and_status_across_segments(tmp_path: Path, node_signer:
         BillLine("tiny", "completed", UsageTotals(2, 30, 4, 2, 6, 81 + 71)),
     )
     assert result.total == UsageTotals(4, 1037, 11, 1002, 6, 1_250_000_000_000_000_000_159)
+
+    segments, tiny = caller_records(tmp_path, "caller-a", model="tiny")
+    assert (segments, [record.record_id for record in tiny]) == (2, ["r0", "r2", "r3"])
 
 
 def test_torn_tail_is_not_billed(make_ledger: LedgerFactory, node_signer: NodeSigner) -> None:

@@ -1,5 +1,5 @@
 """Layering: metering uses only the standard library, cryptography and PyYAML (no torch, aiohttp,
-node or cache), and the metering CLI module only the standard library and metering."""
+node or cache), and the metering CLI runs without the engine or the server (auditors run it)."""
 
 from __future__ import annotations
 
@@ -36,8 +36,14 @@ def test_metering_files_found() -> None:
     assert {path.name for path in METERING_FILES} >= {"canonical.py", "ledger.py", "merkle.py", "verify.py"}
 
 
-def test_cli_metering_imports_only_stdlib_and_metering() -> None:
-    assert non_stdlib(ROOT / "node" / "cli_metering.py") == {"metering"}
+def test_cli_metering_runs_without_the_engine_or_the_server() -> None:
+    import subprocess
+
+    assert non_stdlib(ROOT / "node" / "cli_metering.py") == {"attestation", "metering", "node"}
+    loaded = subprocess.run([sys.executable, "-c", "import sys, node.cli_metering; print(sorted({'torch', "
+                             "'transformers', 'aiohttp'} & set(sys.modules)))"],
+                            cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"
 
 
 def test_importing_metering_loads_no_heavy_packages() -> None:

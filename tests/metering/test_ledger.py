@@ -8,12 +8,21 @@ import threading
 from pathlib import Path
 
 import pytest
-from ledger_fixtures import PRICES, START_MS, LedgerFactory, StepClock, append_standard, standard_counts
+from ledger_fixtures import (
+    EVIDENCE_DIGEST,
+    PRICES,
+    START_MS,
+    LedgerFactory,
+    StepClock,
+    append_standard,
+    standard_counts,
+    standard_latency,
+)
 
 from metering.canonical import parse_canonical
 from metering.ledger import Ledger, LedgerError
 from metering.merkle import MerkleTree, verify_consistency
-from metering.record import ZERO_HASH, RecordError, TokenCounts, UsageRecord
+from metering.record import ZERO_HASH, Latency, RecordError, TokenCounts, UsageRecord
 from metering.segment import SEGMENT_FORMAT, SegmentHeader, read_records, segment_files, segment_path
 from metering.signer import NodeSigner, verify_signed_object
 from metering.tree_head import TreeHeadError
@@ -39,8 +48,9 @@ def test_header_line_names_boot_and_key(make_ledger: LedgerFactory, node_signer:
     ledger = make_ledger(node_signer, records=0)
     header_line = file_lines(ledger)[0]
     assert header_line == (
-        b'{"boot_id":"boot-a","created_ms":1700000000000,"format":"tenzro-ledger-segment/1",'
-        b'"node_key_id":"56475aa75463474c","public_key":"' + node_signer.public_key_hex.encode() + b'",'
+        b'{"boot_id":"boot-a","created_ms":1700000000000,"evidence_digest":"' + EVIDENCE_DIGEST.encode() + b'",'
+        b'"format":"tenzro-ledger-segment/2","node_key_id":"56475aa75463474c",'
+        b'"public_key":"' + node_signer.public_key_hex.encode() + b'",'
         b'"signature":"' + ledger.header.signature.encode() + b'"}'
     )
     header = SegmentHeader.from_json(parse_canonical(header_line))
@@ -63,11 +73,13 @@ def test_records_are_numbered_chained_and_written_one_per_line(
         assert records[seq].prev_hash == records[seq - 1].entry_hash()
     for record in records:
         verify_signed_object(node_signer.public_key_hex, record.to_json())
+    assert [record.latency for record in records] == [standard_latency(seq) for seq in range(4)]
+    assert {record.evidence_digest for record in records} == {EVIDENCE_DIGEST}
     assert records == ledger.records_since(0)
 
 
 def test_append_returns_the_record_as_written(tmp_path: Path, node_signer: NodeSigner) -> None:
-    with Ledger(tmp_path, node_signer, "b1", clock_ms=StepClock()) as ledger:
+    with Ledger(tmp_path, node_signer, "b1", evidence_digest=EVIDENCE_DIGEST, clock_ms=StepClock()) as ledger:
         record = ledger.append(
             record_id="chatcmpl-x",
             caller_id="caller-a",
@@ -77,8 +89,11 @@ def test_append_returns_the_record_as_written(tmp_path: Path, node_signer: NodeS
                 input_tokens=105, cached_read_tokens=50, cached_write_tokens=5, output_tokens=25
             ),
             prices=PRICES,
+            latency=Latency(queue_wait_ms=3, ttft_ms=41, total_ms=260),
         )
     assert (record.seq, record.status, record.cost_wei) == (0, "cancelled", 500)
+    assert (record.queue_wait_ms, record.ttft_ms, record.total_ms) == (3, 41, 260)
+    assert record.evidence_digest == EVIDENCE_DIGEST
     assert record.timestamp_ms == START_MS + 1000
     assert record.node_key_id == node_signer.key_id and record.boot_id == "b1"
     assert ledger.path.read_bytes().split(b"\n")[1] == record.canonical_bytes()
@@ -120,30 +135,41 @@ def test_invalid_fields_are_refused_before_writing(
             status="ok",  # type: ignore[arg-type]
             counts=standard_counts(0),
             prices=PRICES,
+            latency=standard_latency(0),
         )
     assert len(ledger) == 1 and len(file_lines(ledger)) == 2
 
 
 def test_each_start_needs_a_new_segment(tmp_path: Path, node_signer: NodeSigner) -> None:
-    Ledger(tmp_path, node_signer, "b1").close()
+    Ledger(tmp_path, node_signer, "b1", evidence_digest=EVIDENCE_DIGEST).close()
     with pytest.raises(
         LedgerError, match="ledger-b1.jsonl already exists; every node start needs a new boot_id"
     ):
-        Ledger(tmp_path, node_signer, "b1")
-    Ledger(tmp_path, node_signer, "b2").close()
+        Ledger(tmp_path, node_signer, "b1", evidence_digest=EVIDENCE_DIGEST)
+    Ledger(tmp_path, node_signer, "b2", evidence_digest=EVIDENCE_DIGEST).close()
     assert [path.name for path in segment_files(tmp_path)] == ["ledger-b1.jsonl", "ledger-b2.jsonl"]
 
 
 def test_boot_id_must_be_safe_in_a_file_name(tmp_path: Path, node_signer: NodeSigner) -> None:
     with pytest.raises(ValueError, match="boot_id must be 1-64 characters"):
-        Ledger(tmp_path, node_signer, "../escape")
+        Ledger(tmp_path, node_signer, "../escape", evidence_digest=EVIDENCE_DIGEST)
+
+
+def test_malformed_evidence_digest_is_refused_before_a_segment_exists(
+    tmp_path: Path, node_signer: NodeSigner
+) -> None:
+    with pytest.raises(RecordError, match="evidence_digest must be 64 lowercase hex characters"):
+        Ledger(tmp_path / "ledger", node_signer, "b1", evidence_digest="E1" * 32)
+    assert not (tmp_path / "ledger").exists()
 
 
 def test_tree_head_and_proofs_match_the_lines(make_ledger: LedgerFactory, node_signer: NodeSigner) -> None:
     ledger = make_ledger(node_signer, records=6)
     tree = MerkleTree.from_leaves(file_lines(ledger)[1:])
     head = ledger.tree_head()
-    assert (head.size, head.root_hash_hex, head.key_id) == (6, tree.root().hex(), node_signer.key_id)
+    assert (head.size, head.root_hash_hex, head.key_id, head.evidence_digest) == (
+        6, tree.root().hex(), node_signer.key_id, EVIDENCE_DIGEST
+    )
     head.verify(node_signer.public_key_hex)
 
     proof = ledger.inclusion_proof("chatcmpl-4")
@@ -183,7 +209,7 @@ def test_tree_head_of_an_empty_segment(make_ledger: LedgerFactory, node_signer: 
 
 
 def test_concurrent_appends_keep_seq_and_chain_continuous(tmp_path: Path, node_signer: NodeSigner) -> None:
-    ledger = Ledger(tmp_path, node_signer, "threads")
+    ledger = Ledger(tmp_path, node_signer, "threads", evidence_digest=EVIDENCE_DIGEST)
     threads_count, per_thread = 8, 40
     barrier = threading.Barrier(threads_count)
 
@@ -197,6 +223,7 @@ def test_concurrent_appends_keep_seq_and_chain_continuous(tmp_path: Path, node_s
                 status="completed",
                 counts=TokenCounts(10, 2, 3, 4),
                 prices=PRICES,
+                latency=Latency(queue_wait_ms=1, ttft_ms=2, total_ms=3),
             )
 
     threads = [threading.Thread(target=worker, args=(thread,)) for thread in range(threads_count)]

@@ -1,4 +1,4 @@
-"""Usage records: exact cost arithmetic, validation, and the exact signed JSON form."""
+"""Usage records: exact cost arithmetic, service times, validation, and the exact signed JSON form."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from ledger_fixtures import NODE_SEED, PRICES
+from ledger_fixtures import EVIDENCE_DIGEST, NODE_SEED, PRICES
 
 from metering.pricing import DEFAULT_PRICING, PriceSchedule
 from metering.record import (
@@ -14,6 +14,7 @@ from metering.record import (
     UNSIGNED,
     ZERO_HASH,
     CostMismatch,
+    Latency,
     RecordError,
     TokenCounts,
     UsageRecord,
@@ -29,11 +30,13 @@ def make_draft(**changes: Any) -> UsageRecord:
         timestamp_ms=1_700_000_000_000,
         node_key_id=NodeSigner.from_seed(NODE_SEED).key_id,
         boot_id="boot-a",
+        evidence_digest=EVIDENCE_DIGEST,
         caller_id="caller-a",
         model="tiny",
         status="completed",
         counts=TokenCounts(1200, 1000, 150, 300),
         prices=DEFAULT_PRICING,
+        latency=Latency(queue_wait_ms=12, ttft_ms=85, total_ms=2400),
         prev_hash=ZERO_HASH,
     )
     fields.update(changes)
@@ -108,6 +111,8 @@ def test_record_with_wrong_cost_is_rejected() -> None:
         ({"node_key_id": "ABCDEF0123456789"}, "node_key_id must be 16 lowercase hex characters"),
         ({"prev_hash": "0" * 63}, "prev_hash must be 64 lowercase hex characters"),
         ({"seq": -1}, "seq must be a non-negative integer, got -1"),
+        ({"evidence_digest": "E1" * 32}, "evidence_digest must be 64 lowercase hex characters"),
+        ({"evidence_digest": ""}, "evidence_digest must be 64 lowercase hex characters"),
     ],
 )
 def test_invalid_fields_name_the_field(changes: dict[str, Any], message: str) -> None:
@@ -122,16 +127,54 @@ def test_signature_must_be_128_lowercase_hex() -> None:
 
 def test_statuses_failed_and_cancelled_are_records_too() -> None:
     assert make_draft(status="failed").status == "failed"
-    assert make_draft(status="cancelled", counts=TokenCounts(5, 0, 0, 0)).cost_wei == 5 * 10**9
+    cancelled = make_draft(status="cancelled", counts=TokenCounts(5, 0, 0, 0), latency=Latency(40, 0, 40))
+    assert cancelled.cost_wei == 5 * 10**9
 
 
-def test_record_carries_counts_and_ids_only() -> None:
+def test_latency_is_carried_and_read_back() -> None:
+    draft = make_draft()
+    assert (draft.queue_wait_ms, draft.ttft_ms, draft.total_ms) == (12, 85, 2400)
+    assert draft.latency == Latency(queue_wait_ms=12, ttft_ms=85, total_ms=2400)
+
+
+@pytest.mark.parametrize(
+    ("times", "message"),
+    [
+        ((-1, 0, 0), r"queue_wait_ms must be a non-negative integer \(milliseconds\), got -1"),
+        ((0, 1.5, 2), r"ttft_ms must be a non-negative integer \(milliseconds\), got 1.5"),
+        ((0, 0, True), r"total_ms must be a non-negative integer \(milliseconds\), got True"),
+        ((0, 11, 10), r"ttft_ms \(11\) exceeds total_ms \(10\)"),
+        ((11, 0, 10), r"queue_wait_ms \(11\) exceeds total_ms \(10\)"),
+    ],
+)
+def test_latency_times_are_ordered_non_negative_ints(times: tuple[Any, ...], message: str) -> None:
+    with pytest.raises(RecordError, match=message):
+        Latency(*times)
+
+
+def test_latency_may_be_all_equal_or_zero() -> None:
+    assert Latency(7, 7, 7).total_ms == 7
+    assert Latency(0, 0, 0).ttft_ms == 0
+
+
+def test_ttft_is_zero_without_a_token_and_never_before_the_start() -> None:
+    no_output = TokenCounts(5, 0, 0, 0)
+    assert make_draft(counts=no_output, latency=Latency(30, 0, 30)).ttft_ms == 0
+    with pytest.raises(RecordError, match=r"ttft_ms is 25 but no token came \(output_tokens 0\); it must be 0"):
+        make_draft(counts=no_output, latency=Latency(30, 25, 30))
+    with pytest.raises(RecordError, match=r"ttft_ms \(29\) is below queue_wait_ms \(30\)"):
+        make_draft(latency=Latency(30, 29, 40))
+    assert make_draft(latency=Latency(30, 30, 30)).ttft_ms == 30
+
+
+def test_record_carries_counts_times_and_ids_only() -> None:
     assert RECORD_FIELDS == (
         "record_id",
         "seq",
         "timestamp_ms",
         "node_key_id",
         "boot_id",
+        "evidence_digest",
         "caller_id",
         "model",
         "status",
@@ -144,6 +187,9 @@ def test_record_carries_counts_and_ids_only() -> None:
         "cached_read_price_wei",
         "cached_write_price_wei",
         "cost_wei",
+        "queue_wait_ms",
+        "ttft_ms",
+        "total_ms",
         "prev_hash",
         "signature",
     )
@@ -151,16 +197,18 @@ def test_record_carries_counts_and_ids_only() -> None:
 
 NODE_KEY_ID = "56475aa75463474c"  # key_id of NODE_SEED's public key
 SIGNATURE = (
-    "f26dd3bea49bdb4e3fe51a000629e30ba986b7e4e2d9640a6b8090376e072ed7"
-    "8701d4e3d449d4dc153d0cf6a7e99d7cc43e6b7677bb856a6130f7548104e903"
+    "979877b73b53a2cc42fb48ab34cb325de5b7d49f69c232ac5ae628daa727db97"
+    "f5b44a79090106f38945986a378745af85c1e7717080a7cdb3976a8fbf41d307"
 )
 PAYLOAD = (
     b'{"boot_id":"boot-a","cached_read_price_wei":"100000000","cached_read_tokens":1000,'
     b'"cached_write_price_wei":"1250000000","cached_write_tokens":150,"caller_id":"caller-a",'
-    b'"cost_wei":"1537500000000","input_price_wei":"1000000000","input_tokens":1200,'
+    b'"cost_wei":"1537500000000","evidence_digest":"' + EVIDENCE_DIGEST.encode() + b'",'
+    b'"input_price_wei":"1000000000","input_tokens":1200,'
     b'"model":"tiny","node_key_id":"56475aa75463474c","output_price_wei":"4000000000",'
     b'"output_tokens":300,"prev_hash":"0000000000000000000000000000000000000000000000000000000000000000",'
-    b'"record_id":"chatcmpl-1","seq":0,"status":"completed","timestamp_ms":1700000000000}'
+    b'"queue_wait_ms":12,"record_id":"chatcmpl-1","seq":0,"status":"completed","timestamp_ms":1700000000000,'
+    b'"total_ms":2400,"ttft_ms":85}'
 )
 
 
@@ -176,7 +224,7 @@ def test_exact_signing_payload_signature_and_line() -> None:
     assert record.canonical_bytes() == PAYLOAD.replace(
         b',"status"', b',"signature":"' + SIGNATURE.encode() + b'","status"'
     )
-    assert record.entry_hash() == "fa305c6f437f0baafafc968845922832bcec9dc857165003f4359275c646165e"
+    assert record.entry_hash() == "741caff22c380ba5535b8df2038d61ee4ba6f8f84640c5ee560c93e45b22a671"
 
 
 def test_json_round_trip_with_wei_as_strings() -> None:
@@ -197,6 +245,9 @@ def test_json_round_trip_with_wei_as_strings() -> None:
         ({"cost_wei": 1537500000000}, "cost_wei must be a decimal string"),
         ({"input_price_wei": "01000000000"}, "input_price_wei must not have leading zeros"),
         ({"model": 5}, "model must be a JSON string"),
+        ({"ttft_ms": 85.0}, "ttft_ms must be a JSON integer, got 85.0"),
+        ({"total_ms": "2400"}, "total_ms must be a JSON integer"),
+        ({"evidence_digest": 5}, "evidence_digest must be a JSON string"),
     ],
 )
 def test_from_json_requires_exact_members_and_types(changes: dict[str, Any], message: str) -> None:

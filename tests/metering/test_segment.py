@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ledger_fixtures import LedgerFactory, standard_counts
+from ledger_fixtures import EVIDENCE_DIGEST, LedgerFactory, standard_counts
 
 from metering.segment import (
     SegmentFormatError,
     SegmentHeader,
     SegmentLine,
+    read_header,
     read_records,
     read_segment,
     segment_files,
@@ -73,18 +74,39 @@ def test_read_records_needs_a_header(tmp_path: Path) -> None:
     path.write_bytes(b"")
     with pytest.raises(SegmentFormatError, match="has no complete header line"):
         read_records(path)
-    path.write_bytes(b'{"format":"other/9"}\n')
+    path.write_bytes(b'{"format":"tenzro-ledger-segment/2"}\n')
     with pytest.raises(SegmentFormatError, match="line 1: a segment header is a JSON object with exactly"):
         read_records(path)
 
 
+def test_another_format_is_named_before_its_members(tmp_path: Path) -> None:
+    path = tmp_path / "ledger-x.jsonl"
+    # A format 1 header: no evidence_digest.
+    path.write_bytes(
+        b'{"boot_id":"x","created_ms":1,"format":"tenzro-ledger-segment/1","node_key_id":"k","public_key":"p",'
+        b'"signature":"s"}\n'
+    )
+    message = "line 1: segment format is 'tenzro-ledger-segment/1'; this reader knows 'tenzro-ledger-segment/2'"
+    with pytest.raises(SegmentFormatError, match=message):
+        read_header(path)
+
+
+def test_read_header_names_the_evidence(make_ledger: LedgerFactory, node_signer: NodeSigner) -> None:
+    ledger = make_ledger(node_signer, records=2)
+    header = read_header(ledger.path)
+    assert header == ledger.header
+    assert (header.evidence_digest, header.public_key) == (EVIDENCE_DIGEST, node_signer.public_key_hex)
+
+
 def test_header_checks_its_key_id(node_signer: NodeSigner, other_signer: NodeSigner) -> None:
-    header = SegmentHeader.create(node_signer, "b1", 5)
+    header = SegmentHeader.create(node_signer, "b1", 5, EVIDENCE_DIGEST)
     obj = {**header.to_json(), "node_key_id": other_signer.key_id}
     with pytest.raises(SegmentFormatError, match="node_key_id is not the key id of its public_key"):
         SegmentHeader.from_json(obj)
     with pytest.raises(SegmentFormatError, match="segment format is 'v0'"):
         SegmentHeader.from_json({**header.to_json(), "format": "v0"})
+    with pytest.raises(SegmentFormatError, match="invalid segment header: evidence_digest must be 64 lowercase hex"):
+        SegmentHeader.from_json({**header.to_json(), "evidence_digest": "xyz"})
 
 
 def test_segment_files_of_a_directory_or_a_file(tmp_path: Path) -> None:

@@ -11,14 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ledger_fixtures import LedgerFactory
+from ledger_fixtures import EVIDENCE_DIGEST, OTHER_EVIDENCE_DIGEST, LedgerFactory
 
 from metering.canonical import canonical_json, parse_canonical
 from metering.ledger import Ledger
+from metering.merkle import MerkleTree
 from metering.record import ZERO_HASH
+from metering.segment import SegmentFormatError
 from metering.signer import NodeSigner, SignatureInvalid, signed_payload
 from metering.tree_head import TreeHead
-from metering.verify import PROBLEM_KINDS, Problem, VerifyReport, verify_segment
+from metering.verify import PROBLEM_KINDS, Problem, VerifyReport, verify_ledger, verify_segment
 
 
 def lines_of(path: Path) -> list[bytes]:
@@ -60,6 +62,7 @@ def test_untouched_segment_verifies(ledger: Ledger, node_signer: NodeSigner) -> 
     assert (report.good_records, report.node_key_id) == (6, node_signer.key_id)
     assert report.root_hash_hex == ledger.tree_head().root_hash_hex
     assert report.tree_head_size is None
+    assert report.evidence_digest == EVIDENCE_DIGEST
 
 
 def test_empty_segment_verifies(make_ledger: LedgerFactory, node_signer: NodeSigner) -> None:
@@ -199,6 +202,44 @@ def test_cost_mismatch_even_when_signed(ledger: Ledger, node_signer: NodeSigner)
     assert report.problem.detail.startswith("cost_wei is 505 but counts and prices give 506")
 
 
+def test_changed_time(ledger: Ledger, node_signer: NodeSigner) -> None:
+    lines = lines_of(ledger.path)
+    assert b'"ttft_ms":140}' in lines[3]  # seq 2: queue wait 20, first token at 140, end at 400
+    lines[3] = lines[3].replace(b'"ttft_ms":140}', b'"ttft_ms":99}')
+    write_lines(ledger.path, lines)
+    assert where(verify(ledger, node_signer)) == ("bad-signature", 4, 2, "chatcmpl-2", 2)
+
+
+def test_times_out_of_order_even_when_signed(ledger: Ledger, node_signer: NodeSigner) -> None:
+    lines = lines_of(ledger.path)
+    lines[4] = resigned(lines[4], node_signer, ttft_ms=451)  # seq 3 ends at 450
+    write_lines(ledger.path, lines)
+    report = verify(ledger, node_signer)
+    assert where(report) == ("invalid-record", 5, 3, "chatcmpl-3", 3)
+    assert report.problem is not None
+    assert report.problem.detail.startswith("ttft_ms (451) exceeds total_ms (450)")
+
+
+def test_first_token_before_the_start_even_when_signed(ledger: Ledger, node_signer: NodeSigner) -> None:
+    lines = lines_of(ledger.path)
+    lines[4] = resigned(lines[4], node_signer, ttft_ms=29)  # seq 3 started at 30
+    write_lines(ledger.path, lines)
+    report = verify(ledger, node_signer)
+    assert where(report) == ("invalid-record", 5, 3, "chatcmpl-3", 3)
+    assert report.problem is not None
+    assert report.problem.detail.startswith("ttft_ms (29) is below queue_wait_ms (30)")
+
+
+def test_record_naming_other_evidence_even_when_signed(ledger: Ledger, node_signer: NodeSigner) -> None:
+    lines = lines_of(ledger.path)
+    lines[4] = resigned(lines[4], node_signer, evidence_digest=OTHER_EVIDENCE_DIGEST)
+    write_lines(ledger.path, lines)
+    report = verify(ledger, node_signer)
+    assert where(report) == ("evidence-mismatch", 5, 3, "chatcmpl-3", 3)
+    assert report.problem is not None
+    assert report.problem.detail == f"record names evidence {OTHER_EVIDENCE_DIGEST}, the segment {EVIDENCE_DIGEST}"
+
+
 def test_invalid_record_even_when_signed(ledger: Ledger, node_signer: NodeSigner) -> None:
     lines = lines_of(ledger.path)
     lines[4] = resigned(lines[4], node_signer, cached_read_tokens=1000)
@@ -216,9 +257,9 @@ def test_broken_chain(ledger: Ledger, node_signer: NodeSigner) -> None:
 
 def test_rewritten_record_breaks_the_chain_at_the_next_one(ledger: Ledger, node_signer: NodeSigner) -> None:
     lines = lines_of(ledger.path)
-    # A consistent, validly signed rewrite of seq 3 (fewer output tokens, lower cost).
+    # A consistent, validly signed rewrite of seq 3 (no output tokens, so no first token, lower cost).
     # Without output tokens seq 3 costs (103 - 30 - 5) * 3 + 30 * 1 + 5 * 5 = 259.
-    lines[4] = resigned(lines[4], node_signer, output_tokens=0, cost_wei="259")
+    lines[4] = resigned(lines[4], node_signer, output_tokens=0, cost_wei="259", ttft_ms=0)
     write_lines(ledger.path, lines)
     assert where(verify(ledger, node_signer)) == ("broken-chain", 6, 4, "chatcmpl-4", 4)
 
@@ -259,6 +300,7 @@ def test_non_canonical_line(ledger: Ledger, node_signer: NodeSigner) -> None:
 def test_wrong_trusted_key(ledger: Ledger, other_signer: NodeSigner, node_signer: NodeSigner) -> None:
     report = verify_segment(ledger.path, other_signer.public_key_hex)
     assert where(report) == ("foreign-key", 1, None, None, 0)
+    assert report.evidence_digest is None
     assert report.problem is not None
     assert report.problem.detail == (
         f"segment is signed by key {node_signer.key_id}, not the trusted key {other_signer.key_id}"
@@ -316,7 +358,7 @@ def test_consistent_rewrite_is_caught_by_an_earlier_tree_head(
     lines = lines_of(ledger.path)
     # The key holder rewrites seq 3 and re-chains everything after it: the segment verifies on its own.
     # Without output tokens seq 3 costs (103 - 30 - 5) * 3 + 30 * 1 + 5 * 5 = 259.
-    lines[4] = resigned(lines[4], node_signer, output_tokens=0, cost_wei="259")
+    lines[4] = resigned(lines[4], node_signer, output_tokens=0, cost_wei="259", ttft_ms=0)
     for index in range(5, len(lines)):
         lines[index] = resigned(
             lines[index], node_signer, prev_hash=hashlib.sha256(lines[index - 1]).hexdigest()
@@ -328,12 +370,22 @@ def test_consistent_rewrite_is_caught_by_an_earlier_tree_head(
 
 
 def test_tree_head_of_another_key(ledger: Ledger, node_signer: NodeSigner, other_signer: NodeSigner) -> None:
-    head = TreeHead.sign(other_signer, 6, ledger.tree_head().root_hash, 1)
+    head = TreeHead.sign(other_signer, 6, ledger.tree_head().root_hash, 1, EVIDENCE_DIGEST)
     report = verify(ledger, node_signer, head)
     assert where(report) == ("bad-tree-head", None, None, None, 6)
     assert report.problem is not None
     assert report.problem.detail == (
         f"tree head names key {other_signer.key_id}, not the node key {node_signer.key_id}"
+    )
+
+
+def test_tree_head_naming_other_evidence(ledger: Ledger, node_signer: NodeSigner) -> None:
+    head = TreeHead.sign(node_signer, 6, ledger.tree_head().root_hash, 1, OTHER_EVIDENCE_DIGEST)
+    report = verify(ledger, node_signer, head)
+    assert where(report) == ("bad-tree-head", None, None, None, 6)
+    assert report.problem is not None
+    assert report.problem.detail == (
+        f"tree head names evidence {OTHER_EVIDENCE_DIGEST}, the segment {EVIDENCE_DIGEST}"
     )
 
 
@@ -349,5 +401,63 @@ def test_bad_trusted_key_is_an_error_not_a_report(ledger: Ledger) -> None:
 
 
 def test_problem_kinds_are_documented() -> None:
-    assert len(PROBLEM_KINDS) == len(set(PROBLEM_KINDS)) == 17
+    assert len(PROBLEM_KINDS) == len(set(PROBLEM_KINDS)) == 18
     assert str(Problem("root-mismatch", None, None, None, "x")) == "tree head: root-mismatch: x"
+
+
+@pytest.fixture
+def two_starts(make_ledger: LedgerFactory, node_signer: NodeSigner, other_signer: NodeSigner) -> Path:
+    """A ledger directory with the segments of two node starts, each with its own key: boot-a (6 records,
+    NODE_SEED) and boot-b (2 records, OTHER_SEED)."""
+    first = make_ledger(node_signer, boot_id="boot-a")
+    make_ledger(other_signer, boot_id="boot-b", records=2)
+    return first.path.parent
+
+
+def test_ledger_segments_verify_each_under_its_own_key(
+    two_starts: Path, node_signer: NodeSigner, other_signer: NodeSigner
+) -> None:
+    reports = verify_ledger(two_starts)
+    assert [(r.path.name, r.ok, r.good_records, r.node_key_id, r.evidence_digest) for r in reports] == [
+        ("ledger-boot-a.jsonl", True, 6, node_signer.key_id, EVIDENCE_DIGEST),
+        ("ledger-boot-b.jsonl", True, 2, other_signer.key_id, EVIDENCE_DIGEST),
+    ]
+    assert verify_ledger(two_starts, [node_signer.public_key_hex, other_signer.public_key_hex.upper()]) == reports
+    assert verify_ledger(two_starts / "ledger-boot-b.jsonl") == reports[1:]
+
+
+def test_ledger_segment_of_an_untrusted_key(
+    two_starts: Path, node_signer: NodeSigner, other_signer: NodeSigner
+) -> None:
+    first, second = verify_ledger(two_starts, [node_signer.public_key_hex])
+    assert first.ok
+    assert where(second) == ("foreign-key", 1, None, None, 0)
+    assert second.problem is not None
+    assert second.problem.detail == (
+        f"segment is signed by key {other_signer.key_id}, which is not a trusted key ({node_signer.key_id})"
+    )
+    assert (second.node_key_id, second.root_hash_hex, second.evidence_digest) == (
+        other_signer.key_id,
+        MerkleTree().root().hex(),
+        None,
+    )
+
+
+def test_ledger_segment_problems_are_reported_per_segment(two_starts: Path, node_signer: NodeSigner) -> None:
+    segment = two_starts / "ledger-boot-b.jsonl"
+    lines = lines_of(segment)
+    del lines[1]
+    write_lines(segment, lines)
+    first, second = verify_ledger(two_starts)
+    assert first.ok
+    assert where(second) == ("sequence-gap", 2, 1, "chatcmpl-1", 0)
+
+
+def test_ledger_with_an_unreadable_header_or_trusted_key_is_an_error(
+    two_starts: Path, node_signer: NodeSigner
+) -> None:
+    with pytest.raises(SignatureInvalid, match="public key must be 64 hex characters, got 'xyz'"):
+        verify_ledger(two_starts, ["xyz"])
+    (two_starts / "ledger-boot-c.jsonl").write_bytes(b"")
+    with pytest.raises(SegmentFormatError, match="ledger-boot-c.jsonl has no complete header line"):
+        verify_ledger(two_starts)

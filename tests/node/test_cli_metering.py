@@ -1,4 +1,4 @@
-"""`tenzro metering verify|bill` and `tenzro provider pricing set|show`, driven through argparse."""
+"""`tenzro metering verify|bill|sla` and `tenzro provider pricing set|show`, driven through argparse."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from metering.ledger import Ledger
 from metering.merkle import MerkleTree
 from metering.pricing import PriceSchedule, load_pricing
-from metering.record import RecordStatus, TokenCounts
+from metering.record import Latency, RecordStatus, TokenCounts
 from metering.signer import NodeSigner
 from metering.tree_head import TreeHead
 from node.cli_metering import add_metering_commands, parse_time_ms
@@ -19,6 +19,7 @@ from node.cli_metering import add_metering_commands, parse_time_ms
 PRICES = PriceSchedule(
     input_price_wei=3, output_price_wei=11, cached_read_price_wei=1, cached_write_price_wei=5
 )
+EVIDENCE_DIGEST = "e1" * 32
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -37,14 +38,17 @@ def signer() -> NodeSigner:
 @pytest.fixture
 def ledger(tmp_path: Path, signer: NodeSigner) -> Ledger:
     clock = iter(range(1_700_000_000_000, 1_700_000_100_000, 1000))
-    ledger = Ledger(tmp_path / "ledger", signer, "boot-1", clock_ms=lambda: next(clock))
-    rows: list[tuple[str, str, RecordStatus, TokenCounts]] = [
-        ("caller-a", "tiny", "completed", TokenCounts(100, 60, 10, 20)),  # 30*3 + 60 + 50 + 220 = 420
-        ("caller-b", "tiny", "completed", TokenCounts(5, 0, 0, 5)),
-        ("caller-a", "tiny", "cancelled", TokenCounts(40, 0, 40, 0)),  # 200
-        ("caller-a", "big", "completed", TokenCounts(1000, 1000, 0, 1)),  # 1000 + 11
+    ledger = Ledger(
+        tmp_path / "ledger", signer, "boot-1", evidence_digest=EVIDENCE_DIGEST, clock_ms=lambda: next(clock)
+    )
+    rows: list[tuple[str, str, RecordStatus, TokenCounts, Latency]] = [
+        # 30*3 + 60 + 50 + 220 = 420
+        ("caller-a", "tiny", "completed", TokenCounts(100, 60, 10, 20), Latency(15, 180, 900)),
+        ("caller-b", "tiny", "completed", TokenCounts(5, 0, 0, 5), Latency(0, 30, 60)),
+        ("caller-a", "tiny", "cancelled", TokenCounts(40, 0, 40, 0), Latency(5, 0, 70)),  # 200, no first token
+        ("caller-a", "big", "completed", TokenCounts(1000, 1000, 0, 1), Latency(120, 260, 300)),  # 1000 + 11
     ]
-    for index, (caller, model, status, counts) in enumerate(rows):
+    for index, (caller, model, status, counts, latency) in enumerate(rows):
         ledger.append(
             record_id=f"chatcmpl-{index}",
             caller_id=caller,
@@ -52,6 +56,7 @@ def ledger(tmp_path: Path, signer: NodeSigner) -> Ledger:
             status=status,
             counts=counts,
             prices=PRICES,
+            latency=latency,
         )
     ledger.close()
     return ledger
@@ -63,6 +68,7 @@ def test_every_command_sets_func() -> None:
     for argv in (
         ["metering", "verify", "x", "--node-key", "00"],
         ["metering", "bill", "x", "--caller", "c"],
+        ["metering", "sla", "x", "--caller", "c", "--ttft-ms", "1"],
         ["provider", "pricing", "set"],
         ["provider", "pricing", "show"],
     ):
@@ -72,7 +78,9 @@ def test_every_command_sets_func() -> None:
 def test_verify_ok(ledger: Ledger, signer: NodeSigner, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = run(["metering", "verify", str(ledger.path), "--node-key", signer.public_key_hex], capsys)
     assert code == 0
-    assert out.startswith(f"OK {ledger.path}: 4 records verified under key {signer.key_id}; Merkle root ")
+    assert out.startswith(
+        f"OK {ledger.path}: 4 records verified under key {signer.key_id} (evidence {EVIDENCE_DIGEST}); Merkle root "
+    )
 
 
 def test_verify_names_the_first_bad_record(
@@ -95,7 +103,7 @@ def test_verify_with_tree_head_file(
 ) -> None:
     head_path = tmp_path / "head.json"
     record_lines = ledger.path.read_bytes().split(b"\n")[1:-1]
-    head = TreeHead.sign(signer, 4, MerkleTree.from_leaves(record_lines).root(), 1)
+    head = TreeHead.sign(signer, 4, MerkleTree.from_leaves(record_lines).root(), 1, EVIDENCE_DIGEST)
     head_path.write_text(json.dumps(head.to_json()))
     args = [
         "metering",
@@ -155,6 +163,120 @@ def test_bill_with_bad_time(ledger: Ledger, capsys: pytest.CaptureFixture[str]) 
     assert (
         out == "cannot bill: 'yesterday' is neither Unix milliseconds nor ISO 8601 (2025-01-31T12:00:00Z)\n"
     )
+
+
+def sla_lines(ledger: Ledger, signer: NodeSigner) -> list[str]:
+    """The verification line `metering sla` prints for the fixture's segment."""
+    root = MerkleTree.from_leaves(ledger.path.read_bytes().split(b"\n")[1:-1]).root().hex()
+    return [f"OK {ledger.path}: 4 records verified under key {signer.key_id} (evidence {EVIDENCE_DIGEST}); "
+            f"Merkle root {root}"]
+
+
+def test_sla_numbers_are_the_records_times(
+    ledger: Ledger, signer: NodeSigner, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # caller-a's first tokens: 180 and 260 ms (the cancelled record got none); totals: 900, 70 and 300 ms.
+    code, out = run(["metering", "sla", str(ledger.path.parent), "--caller", "caller-a", "--ttft-ms", "200"], capsys)
+    assert code == 0
+    assert out.splitlines() == [
+        *sla_lines(ledger, signer),
+        "caller caller-a, every model, from start ms to now ms, 1 segment(s)",
+        "requests 3, with a first token 2",
+        "ttft_ms <= 200: 1/3 = 33.33%",
+        "ms        p50  p90  p99",
+        "ttft_ms   180  260  260",
+        "total_ms  300  900  900",
+    ]
+
+
+def test_sla_of_one_model_in_a_window(
+    ledger: Ledger, signer: NodeSigner, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Records are stamped 1700000001000 + 1000 * seq: the window holds seq 0 to 2.
+    argv = ["metering", "sla", str(ledger.path), "--caller", "caller-a", "--ttft-ms", "180", "--model", "tiny",
+            "--since", "1700000001000", "--until", "2023-11-14T22:13:24Z"]
+    code, out = run(argv, capsys)
+    assert code == 0
+    assert out.splitlines()[1:] == [
+        "caller caller-a, model tiny, from 1700000001000 ms to 1700000004000 ms, 1 segment(s)",
+        "requests 2, with a first token 1",
+        "ttft_ms <= 180: 1/2 = 50.00%",
+        "ms        p50  p90  p99",
+        "ttft_ms   180  180  180",
+        "total_ms   70  900  900",
+    ]
+
+
+def test_sla_without_requests(ledger: Ledger, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(["metering", "sla", str(ledger.path), "--caller", "nobody", "--ttft-ms", "1"], capsys)
+    assert code == 0
+    assert out.splitlines()[1:] == [
+        "caller nobody, every model, from start ms to now ms, 1 segment(s)",
+        "requests 0, with a first token 0",
+        "ttft_ms <= 1: 0/0 (no requests)",
+        "ms        p50  p90  p99",
+        "ttft_ms     -    -    -",
+        "total_ms    -    -    -",
+    ]
+
+
+def test_sla_over_every_start_of_a_ledger_directory(
+    ledger: Ledger, signer: NodeSigner, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = NodeSigner.from_seed(bytes(range(32, 64)))  # the next start's key
+    with Ledger(ledger.path.parent, other, "boot-2", evidence_digest="e2" * 32) as second:
+        second.append(record_id="chatcmpl-9", caller_id="caller-a", model="tiny", status="completed",
+                      counts=TokenCounts(3, 0, 0, 2), prices=PRICES, latency=Latency(0, 90, 95))
+    argv = ["metering", "sla", str(ledger.path.parent), "--caller", "caller-a", "--ttft-ms", "200"]
+    code, out = run(argv, capsys)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == sla_lines(ledger, signer)[0]
+    assert lines[1].startswith(
+        f"OK {second.path}: 1 records verified under key {other.key_id} (evidence {'e2' * 32}); Merkle root "
+    )
+    assert lines[2:] == [
+        "caller caller-a, every model, from start ms to now ms, 2 segment(s)",
+        "requests 4, with a first token 3",
+        "ttft_ms <= 200: 2/4 = 50.00%",  # 90 and 180 of 90, 180, 260
+        "ms        p50  p90  p99",
+        "ttft_ms   180  260  260",
+        "total_ms   95  900  900",  # of 70, 95, 300, 900
+    ]
+    code, out = run([*argv, "--node-key", signer.public_key_hex], capsys)  # only the first start's key trusted
+    assert code == 1
+    assert out.splitlines()[1:] == [
+        f"FAILED {second.path}: line 1: foreign-key: segment is signed by key {other.key_id}, which is not a "
+        f"trusted key ({signer.key_id})",
+        f"0 records before it verified under key {other.key_id}",
+        "no SLA report: the ledger does not verify",
+    ]
+
+
+def test_sla_refuses_a_ledger_that_does_not_verify(
+    ledger: Ledger, signer: NodeSigner, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = ledger.path.read_bytes().split(b"\n")
+    assert b'"ttft_ms":260}' in lines[4]  # seq 3: its first token came too late for a 200 ms promise
+    lines[4] = lines[4].replace(b'"ttft_ms":260}', b'"ttft_ms":199}')
+    ledger.path.write_bytes(b"\n".join(lines))
+    code, out = run(["metering", "sla", str(ledger.path), "--caller", "caller-a", "--ttft-ms", "200"], capsys)
+    assert code == 1
+    assert out.splitlines()[0].startswith(f"FAILED {ledger.path}: line 5, seq 3, record chatcmpl-3: bad-signature")
+    assert out.splitlines()[-1] == "no SLA report: the ledger does not verify"
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--ttft-ms", "-1"], "cannot report: the promised time to first token must be a non-negative integer (ms), "
+                          "got -1"),
+    (["--ttft-ms", "1", "--node-key", "xyz"], "cannot report: public key must be 64 hex characters, got 'xyz'"),
+    (["--ttft-ms", "1", "--until", "soon"], "cannot report: 'soon' is neither Unix milliseconds nor ISO 8601 "
+                                            "(2025-01-31T12:00:00Z)"),
+])
+def test_sla_errors(ledger: Ledger, capsys: pytest.CaptureFixture[str], extra: list[str], message: str) -> None:
+    code, out = run(["metering", "sla", str(ledger.path), "--caller", "caller-a", *extra], capsys)
+    assert code == 1
+    assert out.splitlines()[-1] == message
 
 
 def test_parse_time_ms() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from node.auth import KeyRing
 from node.config import ConfigError, add_key, hash_key, load_config, parse_config, save_config
-from node.errors import ApiError
+from node.errors import Unauthenticated
 from policies.requirements import NO_REQUIREMENTS, CallerRequirements
 from tests.node.conftest import tenzro
 
@@ -34,9 +34,9 @@ def test_keyring_maps_keys_to_callers_and_sees_new_keys_without_restart(tmp_path
     bob = add_key(config, "bob", role="auditor")
     assert ring.caller_for(f"Bearer {bob}").role == "auditor"
     for header in (None, "", "Bearer ", "Basic abc", f"Bearer {alice}x"):
-        with pytest.raises(ApiError) as error:
+        with pytest.raises(Unauthenticated) as error:
             ring.caller_for(header)
-        assert error.value.status == 401
+        assert error.value.code == "invalid_api_key"
 
 
 def test_config_rejects_unknown_keys_and_bad_values() -> None:

@@ -24,14 +24,12 @@ from node.hygiene import (
     CAP_IPC_LOCK,
     LOCK_ALL,
     HygienePolicy,
-    HygienePolicyError,
     HygieneState,
     exclude_from_dumps,
-    load_hygiene_policy,
     lock_region,
     parse_swaps,
 )
-from policies.node_policy import NodePolicy, NodeRequirements, load_node_policy
+from policies.node_policy import NodePolicy, NodePolicyError, NodeRequirements, load_node_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 LINUX = pytest.mark.skipif(sys.platform != "linux", reason="prctl, mlockall, madvise and /proc are Linux's")
@@ -172,8 +170,7 @@ def test_a_range_without_a_whole_page_is_refused(call: Callable[[int, int], bool
 
 
 def test_the_shipped_policies_load_as_node_policies() -> None:
-    confidential, standard = load_hygiene_policy("confidential"), load_hygiene_policy("standard")
-    assert confidential == HygienePolicy(load_node_policy("confidential"))
+    confidential, standard = (HygienePolicy(load_node_policy(name)) for name in ("confidential", "standard"))
     assert (confidential.name, confidential.policy.require) == ("confidential", NodeRequirements(True, True, True,
                                                                                                   True))
     assert (standard.name, standard.policy.require) == ("standard", NodeRequirements(False, False, False, False))
@@ -191,7 +188,7 @@ SITE = "jurisdiction: DE\ntrust_tier: standard\n"
 def test_a_policy_file_by_path_loads(tmp_path: Path) -> None:
     path = write_policy(tmp_path, SITE + "require: {memory_locked: true, no_swap: false, sealing: true, "
                                          "confidential_hardware: false}\n")
-    assert load_hygiene_policy(path) == HygienePolicy(NodePolicy("site", "DE", "standard",
+    assert HygienePolicy(load_node_policy(path)) == HygienePolicy(NodePolicy("site", "DE", "standard",
                                                                  NodeRequirements(True, False, True, False)))
 
 
@@ -209,14 +206,14 @@ def test_a_policy_file_by_path_loads(tmp_path: Path) -> None:
     ("- memory_locked\n", "'policy' in node policy 'site' must be a mapping"),
 ])
 def test_a_malformed_policy_is_refused_naming_the_key(tmp_path: Path, text: str, message: str) -> None:
-    with pytest.raises(HygienePolicyError) as raised:
-        load_hygiene_policy(write_policy(tmp_path, text))
+    with pytest.raises(NodePolicyError) as raised:
+        HygienePolicy(load_node_policy(write_policy(tmp_path, text)))
     assert str(raised.value) == message
 
 
 def test_an_unknown_policy_name_is_refused() -> None:
-    with pytest.raises(HygienePolicyError) as raised:
-        load_hygiene_policy("pricing")
+    with pytest.raises(NodePolicyError) as raised:
+        HygienePolicy(load_node_policy("pricing"))
     assert str(raised.value) == ("no node policy 'pricing': name one of confidential, standard or give the "
                                  "path of a YAML file")
 
@@ -230,7 +227,7 @@ SEALED = HygieneState(core_dumps_off=True, dumpable=False, memory_locked=True, m
 
 
 def test_missing_names_each_requirement_not_met_and_how_to_fix_it() -> None:
-    assert load_hygiene_policy("confidential").missing(EXPOSED, sealing=False) == [
+    assert HygienePolicy(load_node_policy("confidential")).missing(EXPOSED, sealing=False) == [
         "memory is not locked: RLIMIT_MEMLOCK is 8 MiB and no CAP_IPC_LOCK (mlockall not attempted: under "
         "MCL_FUTURE, allocations past the limit would fail later): run as root (CAP_IPC_LOCK) or raise the limit "
         "with `ulimit -l unlimited`",
@@ -239,10 +236,10 @@ def test_missing_names_each_requirement_not_met_and_how_to_fix_it() -> None:
         "stored",
     ]
     unknown_swap = HygieneState(True, False, True, LOCK_ALL, None, False)
-    assert load_hygiene_policy("confidential").missing(unknown_swap, sealing=True) == [
+    assert HygienePolicy(load_node_policy("confidential")).missing(unknown_swap, sealing=True) == [
         "swap cannot be checked: /proc/swaps is not readable on this system"]
-    assert load_hygiene_policy("confidential").missing(SEALED, sealing=True) == []
-    assert load_hygiene_policy("standard").missing(EXPOSED, sealing=False) == []
+    assert HygienePolicy(load_node_policy("confidential")).missing(SEALED, sealing=True) == []
+    assert HygienePolicy(load_node_policy("standard")).missing(EXPOSED, sealing=False) == []
 
 
 def test_the_state_as_json() -> None:

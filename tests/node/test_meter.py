@@ -1,5 +1,5 @@
-"""The node's meter in process: outcomes to statuses and counts, followed jobs, failed and unrecordable
-completions, the default price policy, and the metering routes' parameter checks."""
+"""The node's meter in process: outcomes to statuses, counts and service times, followed jobs, failed and
+unrecordable completions, the default price policy, and the metering routes' parameter checks."""
 
 from __future__ import annotations
 
@@ -13,13 +13,16 @@ import pytest
 
 from cache.arena import Scope
 from metering.pricing import DEFAULT_PRICING, PriceSchedule, load_pricing, save_pricing
-from metering.record import TokenCounts
-from node.app import METER, create_app
+from metering.record import Latency, TokenCounts
+from metering.signer import NodeSigner
+from node.api.app import create_app
+from node.api.keys import METER
 from node.config import add_key, load_config
 from node.engine.loader import load_model
 from node.engine.runner import GenerationRequest, GenerationResult, Runner
 from node.engine.sampling import SamplingParams
 from node.engine.scheduler import Failed, Finished, Job, Scheduler
+from node.identity import NodeIdentity
 from node.meter import (
     DEFAULT_PRICE_POLICY,
     NO_TOKENS,
@@ -27,17 +30,20 @@ from node.meter import (
     Meter,
     MeteringPaths,
     ensure_price_file,
+    latency_of,
     usage_of,
 )
 from node.service import ModelService
+from policies.node_policy import load_node_policy
 
 PRICES = PriceSchedule(input_price_wei=7, output_price_wei=13, cached_read_price_wei=2, cached_write_price_wei=9)
+EVIDENCE_DIGEST = "e1" * 32
 
 
-def result(finish_reason: str, output: int = 3) -> GenerationResult:
+def result(finish_reason: str, output: int = 3, queue_wait_s: float = 0.0, ttft_s: float = 0.0) -> GenerationResult:
     return GenerationResult(prompt_tokens=10, cached_read_tokens=4, cached_write_tokens=6,
                             output_ids=list(range(output)), text="", finish_reason=finish_reason,
-                            queue_wait_s=0.0, ttft_s=0.0)
+                            queue_wait_s=queue_wait_s, ttft_s=ttft_s)
 
 
 @pytest.mark.parametrize(("outcome", "status", "counts"), [
@@ -49,6 +55,22 @@ def result(finish_reason: str, output: int = 3) -> GenerationResult:
 ], ids=["stop", "length", "cancelled-mid-decode", "cancelled-while-queued", "failed"])
 def test_usage_of_an_outcome(outcome: Finished | Failed, status: str, counts: TokenCounts) -> None:
     assert usage_of(outcome) == (status, counts)
+
+
+@pytest.mark.parametrize(("outcome", "total_s", "latency"), [
+    # The first token comes queue_wait_s + ttft_s after the enqueue; every time is rounded up to a whole ms.
+    (Finished(result("stop", queue_wait_s=0.0042, ttft_s=0.0311)), 0.25, Latency(5, 36, 250)),
+    (Finished(result("length", queue_wait_s=0.002, ttft_s=0.003)), 0.0101, Latency(2, 5, 11)),
+    (Finished(result("cancelled", output=1, queue_wait_s=0.0, ttft_s=0.0005)), 0.0005, Latency(0, 1, 1)),
+    # Measured apart, the end may read a hair before the first token: it is never put first.
+    (Finished(result("stop", queue_wait_s=0.010, ttft_s=0.0201)), 0.0295, Latency(10, 31, 31)),
+    (Finished(result("stop", output=0, queue_wait_s=0.003, ttft_s=0.0)), 0.004, Latency(3, 0, 4)),
+    (Failed(asyncio.CancelledError()), 0.0405, Latency(41, 0, 41)),
+    (Failed(RuntimeError("model fault")), 0.5, Latency(0, 0, 500)),
+], ids=["stop", "length", "cancelled-mid-decode", "end-read-early", "no-token", "cancelled-while-queued",
+        "failed"])
+def test_latency_of_an_outcome(outcome: Finished | Failed, total_s: float, latency: Latency) -> None:
+    assert latency_of(outcome, total_s) == latency
 
 
 def test_default_price_policy_is_written_once_and_equals_the_cli_defaults(tmp_path: Path) -> None:
@@ -66,14 +88,19 @@ def paths(tmp_path: Path) -> MeteringPaths:
     return MeteringPaths(ledger_dir=tmp_path / "ledger", pricing_file=tmp_path / "pricing.yaml")
 
 
+def open_meter(tmp_path: Path) -> Meter:
+    return Meter.open(paths(tmp_path), NodeSigner.generate(), EVIDENCE_DIGEST)
+
+
 async def test_a_job_left_by_its_handler_is_recorded_when_it_ends(tmp_path: Path) -> None:
-    meter = Meter.open(paths(tmp_path))
+    meter = open_meter(tmp_path)
     request = GenerationRequest(Scope("alice", "m"), [1, 2], SamplingParams(max_tokens=8))
     job = Job("alice", request, asyncio.get_running_loop())
+    job.enqueued_at -= 0.2  # it was queued 200 ms ago
     metered = meter.track(job, Completion("cmpl-left", "alice", "m"))
     metered.close()  # the client went away before the outcome
     assert job.cancel_event.is_set()
-    job.post(Finished(result("cancelled", output=2)))
+    job.post(Finished(result("cancelled", output=2, queue_wait_s=0.05, ttft_s=0.06)))
     await meter.close(timeout_s=10)
     record = meter.ledger.get("cmpl-left")
     assert record is not None
@@ -81,10 +108,37 @@ async def test_a_job_left_by_its_handler_is_recorded_when_it_ends(tmp_path: Path
         "cancelled", "alice", "m", TokenCounts(10, 4, 6, 2))
     assert record.cost_wei == 0 * 7 + 4 * 2 + 6 * 9 + 2 * 13
     assert (record.input_price_wei, record.output_price_wei) == (7, 13)
+    assert (record.queue_wait_ms, record.ttft_ms, record.evidence_digest) == (50, 110, EVIDENCE_DIGEST)
+    assert 200 <= record.total_ms < 10_200  # from the enqueue to the meter reading the outcome
+
+
+async def test_a_completion_never_queued_is_recorded_with_no_times(tmp_path: Path) -> None:
+    meter = open_meter(tmp_path)
+    meter.record_unstarted(Completion("chatcmpl-gone", "alice", "m"))
+    await meter.close(timeout_s=10)
+    record = meter.ledger.get("chatcmpl-gone")
+    assert record is not None
+    assert (record.status, record.counts, record.latency) == ("cancelled", NO_TOKENS, Latency(0, 0, 0))
+
+
+def test_a_meter_needs_a_well_formed_evidence_digest(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="evidence_digest must be 64 lowercase hex characters"):
+        Meter.open(paths(tmp_path), NodeSigner.generate(), "not-a-digest")
+    assert not (tmp_path / "ledger").exists()
+
+
+async def test_the_meter_signs_with_the_key_it_is_given(tmp_path: Path) -> None:
+    signer = NodeSigner.from_seed(bytes(range(32)))
+    meter = Meter.open(paths(tmp_path), signer, EVIDENCE_DIGEST)
+    assert meter.signer is signer
+    assert (meter.ledger.header.public_key, meter.ledger.header.evidence_digest) == (
+        signer.public_key_hex, EVIDENCE_DIGEST)
+    assert meter.ledger.tree_head().evidence_digest == EVIDENCE_DIGEST
+    await meter.close(timeout_s=1)
 
 
 async def test_a_job_that_never_ends_is_given_up_at_close(tmp_path: Path) -> None:
-    meter = Meter.open(paths(tmp_path))
+    meter = open_meter(tmp_path)
     request = GenerationRequest(Scope("alice", "m"), [1], SamplingParams(max_tokens=1))
     meter.track(Job("alice", request, asyncio.get_running_loop()), Completion("cmpl-never", "alice", "m")).close()
     await meter.close(timeout_s=0.05)
@@ -108,7 +162,8 @@ async def serve(aiohttp_client, tmp_path: Path, loaded, runner_class: type[Runne
     key = add_key(config_path, "alice")
     runner = runner_class(loaded, None)
     service = ModelService(loaded, runner, Scheduler(runner, 4))
-    app = create_app(load_config(config_path), config_path, service, paths(tmp_path))
+    app = create_app(load_config(config_path), config_path, service, paths(tmp_path), NodeIdentity.start(),
+                     load_node_policy("standard"))
     return await aiohttp_client(app), {"Authorization": f"Bearer {key}"}
 
 
@@ -129,6 +184,8 @@ async def test_failed_completions_are_recorded_with_status_failed(aiohttp_client
         (0, "cmpl-", "failed", "alice", NO_TOKENS, 0),
         (1, "chatc", "failed", "alice", NO_TOKENS, 0),
     ]
+    # A failure tells neither when its job started nor of a token: only its total time is known.
+    assert [(r.queue_wait_ms, r.ttft_ms) for r in records] == [(0, 0), (0, 0)]
     looked_up = await client.get("/v1/generation", params={"id": first["id"]}, headers=auth)
     assert (await looked_up.json()) == records[1].to_json()
 

@@ -1,10 +1,13 @@
-"""Signed metering of a real node on loopback: records match usage, prices come from the CLI, records
-and proofs are visible only to whom they belong (and auditors), and a SIGKILLed node's ledger verifies."""
+"""Signed metering of a real node on loopback: records match usage and the times the client saw, prices
+come from the CLI, records and proofs are visible only to whom they belong (and auditors), `metering sla`
+reports the records' times, and a SIGKILLed node's ledger verifies."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,19 @@ def cost(record: dict[str, Any], input: int, output: int, cached_read: int, cach
                + record["cached_write_tokens"] * cached_write + record["output_tokens"] * output)
 
 
+def check_times(record: dict[str, Any], server_ttft_ms: float | None = None,
+                client_ms: float | None = None) -> None:
+    """A record that got a first token: times ordered from the enqueue, at least the first token time the
+    node reported in `usage` (measured from the job's start), at most the time the client waited."""
+    assert record["output_tokens"] > 0
+    assert 0 <= record["queue_wait_ms"] <= record["ttft_ms"] <= record["total_ms"]
+    assert record["ttft_ms"] >= 1  # rounded up: a token that came took some time
+    if server_ttft_ms is not None:
+        assert record["ttft_ms"] >= server_ttft_ms - 0.001  # usage rounds to the microsecond
+    if client_ms is not None:
+        assert record["total_ms"] <= math.ceil(client_ms)
+
+
 def add_auditor(node: Node, name: str) -> str:
     result = tenzro("keys", "add", name, "--role", "auditor", "--config", str(node.config), env=node.env)
     assert result.returncode == 0, result.stderr
@@ -56,25 +72,27 @@ def test_three_turn_conversation_is_metered_at_the_prices_set_through_the_cli(
     alice = openai.OpenAI(base_url=node.base, api_key=alice_key, max_retries=0)
     model = small_model_dir.name
     messages = [{"role": "system", "content": "You are a terse assistant for the metering test."}]
-    turns: list[tuple[str, Any]] = []  # (completion id, usage) per turn
+    turns: list[tuple[str, Any, float]] = []  # (completion id, usage, ms the client waited) per turn
     for turn in range(3):
         messages.append({"role": "user", "content": f"Question {turn}: which flowers grow in the shade?"})
         if turn < 2:
+            sent = time.perf_counter()
             reply = alice.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
-            turns.append((reply.id, reply.usage))
+            turns.append((reply.id, reply.usage, (time.perf_counter() - sent) * 1000))
             text = reply.choices[0].message.content
         else:
             set_prices(pricing, env, output=17)  # while the node runs
+            sent = time.perf_counter()
             chunks = list(alice.chat.completions.create(model=model, messages=messages, max_tokens=8,
                                                         temperature=0, stream=True,
                                                         stream_options={"include_usage": True}))
+            turns.append((chunks[0].id, chunks[-1].usage, (time.perf_counter() - sent) * 1000))
             assert {chunk.id for chunk in chunks} == {chunks[0].id}
-            turns.append((chunks[0].id, chunks[-1].usage))
             text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
         messages.append({"role": "assistant", "content": text})
 
     records = []
-    for turn, (completion_id, usage) in enumerate(turns):
+    for turn, (completion_id, usage, client_ms) in enumerate(turns):
         status, record = get(node.base + "/generation", alice_key, id=completion_id)
         assert status == 200
         records.append(record)
@@ -90,6 +108,7 @@ def test_three_turn_conversation_is_metered_at_the_prices_set_through_the_cli(
         assert (record["input_price_wei"], record["output_price_wei"], record["cached_read_price_wei"],
                 record["cached_write_price_wei"]) == ("7", str(output_price), "2", "9")
         assert record["cost_wei"] == cost(record, 7, output_price, 2, 9)
+        check_times(record, usage.server_ttft_ms, client_ms)
     assert records[0]["cached_read_tokens"] == 0
     assert records[1]["cached_read_tokens"] >= records[0]["input_tokens"]
     assert records[2]["cached_read_tokens"] >= records[1]["input_tokens"]
@@ -108,6 +127,8 @@ def test_three_turn_conversation_is_metered_at_the_prices_set_through_the_cli(
     assert verified.stdout.startswith(f"OK {segment}: 3 records verified under key {identity['key_id']}")
     status, head = get(node.base + "/metering/checkpoint", alice_key)
     assert status == 200 and head["size"] == 3 and head["key_id"] == identity["key_id"]
+    assert len(head["evidence_digest"]) == 64
+    assert {record["evidence_digest"] for record in records} == {head["evidence_digest"]}
     (tmp_path / "head.json").write_text(json.dumps(head))
     against_head = tenzro("metering", "verify", str(segment), "--node-key", identity["public_key"],
                           "--tree-head", str(tmp_path / "head.json"), env=env)
@@ -117,6 +138,20 @@ def test_three_turn_conversation_is_metered_at_the_prices_set_through_the_cli(
     assert bill.returncode == 0, bill.stdout
     total = bill.stdout.splitlines()[-1].split()
     assert total[0] == "TOTAL" and total[-1] == str(sum(int(r["cost_wei"]) for r in records))
+
+    ttfts, totals = sorted(r["ttft_ms"] for r in records), sorted(r["total_ms"] for r in records)
+    for promise, share in ((ttfts[-1], "3/3 = 100.00%"), (ttfts[0] - 1, "0/3 = 0.00%")):
+        sla = tenzro("metering", "sla", str(ledger), "--caller", "alice", "--ttft-ms", str(promise), env=env)
+        assert sla.returncode == 0, sla.stdout
+        lines = sla.stdout.splitlines()
+        assert lines[0].startswith(f"OK {segment}: 3 records verified under key {identity['key_id']} "
+                                   f"(evidence {head['evidence_digest']})")
+        assert lines[2:4] == ["requests 3, with a first token 3", f"ttft_ms <= {promise}: {share}"]
+        # Nearest rank of 3 values: p50 is the 2nd, p90 and p99 the 3rd.
+        assert [line.split() for line in lines[5:]] == [
+            ["ttft_ms", str(ttfts[1]), str(ttfts[2]), str(ttfts[2])],
+            ["total_ms", str(totals[1]), str(totals[2]), str(totals[2])],
+        ]
 
 
 def test_auditors_read_every_record_and_proofs_verify(node_factory, small_model_dir: Path) -> None:
@@ -129,8 +164,10 @@ def test_auditors_read_every_record_and_proofs_verify(node_factory, small_model_
         ids.append(c.completions.create(model=model, prompt=list(range(300, 340)), max_tokens=3).id)
     home = Path(node.env["TENZRO_HOME"])
     assert load_pricing(home / "pricing.yaml") == DEFAULT_PRICING  # written at start from policies/
-    assert sorted(path.name for path in (home / "ledger").iterdir()) == [get(node.base + "/node")[1]
-                                                                          ["ledger_segment"]]
+    about = get(node.base + "/node")[1]
+    # The segment, and the evidence binding its key.
+    assert sorted(path.name for path in (home / "ledger").iterdir()) == [
+        f"{about['boot_id']}.evidence.json", about["ledger_segment"]]
 
     status, refused = get(node.base + "/metering/records", alice_key)
     assert status == 403
@@ -195,6 +232,7 @@ def test_a_stream_the_client_leaves_is_recorded_as_cancelled(node_factory, small
     assert (record["status"], record["input_tokens"], record["cached_read_tokens"],
             record["cached_write_tokens"]) == ("cancelled", 500, 0, 500)
     assert 1 <= record["output_tokens"] < max_tokens
+    check_times(record)
     assert record["cost_wei"] == cost(record, **{name[:-len("_price_wei")]: int(record[name]) for name in (
         "input_price_wei", "output_price_wei", "cached_read_price_wei", "cached_write_price_wei")})
 

@@ -1,12 +1,10 @@
-"""OpenAI-compatible routes: chat and text completions (plain and SSE streamed), models, health, metrics.
+"""OpenAI-compatible routes: chat and text completions (plain and SSE streamed) and models.
 
-Every accepted completion is metered under its completion id (`node.meter`); the usage a response
-carries is the usage its signed record holds. A client that goes away, streamed or not, cancels its
-handler (the server runs with handler cancellation): its generation stops within one decode step and is
-recorded as cancelled with the tokens it produced.
-
-`/health` tells anyone that the node serves; the queue's depth and `/metrics` are for operator keys only,
-so that no caller learns the shape of other callers' traffic.
+A completion is refused before any compute when the node cannot meet its caller's requirements (node.yaml's
+`callers.NAME.requirements`, narrowed by the request's `Tenzro-*` headers). Every accepted completion is
+metered under its completion id (`node.meter`); the usage a response carries is read from its signed record.
+A client that goes away, streamed or not, cancels its handler (the server runs with handler cancellation):
+its generation stops within one decode step and is recorded as cancelled with the tokens it produced.
 """
 
 from __future__ import annotations
@@ -14,21 +12,41 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from metering.ledger import LedgerError
-from node.app import CONFIG, KEYRING, METER, METRICS, SERVICE, caller_of, off_loop, read_body
+from metering.record import UsageRecord
+from node.api.body import off_loop, read_body
+from node.api.keys import CALLER, CONFIG, IDENTITY, METER, METRICS, POLICY, SERVICE
 from node.config import Caller
 from node.engine.chat_template import RenderedChat
 from node.engine.runner import GenerationRequest, GenerationResult
 from node.engine.scheduler import Event, Failed, Finished, Job, QueueFullError, TextDelta
-from node.errors import ApiError, model_not_found, queue_full
+from node.errors import (
+    InvalidRequest,
+    ModelFailure,
+    NodeError,
+    RequirementNotMet,
+    Unavailable,
+    model_not_found,
+    queue_full,
+)
 from node.meter import Completion, MeteredJob
 from node.openai_schema import CommonParams, parse_chat, parse_completion
 from node.service import ModelService
+from policies.requirements import (
+    NO_REQUIREMENTS,
+    TOKEN_CLASSES,
+    Offer,
+    RequirementHeaderError,
+    merge,
+    requirements_from_headers,
+    unmet,
+)
+
+routes = web.RouteTableDef()
 
 METERING_RETRY_AFTER_S = 5
 """A ledger that failed to append (a full or failing disk) needs an operator: retry later, not at once."""
@@ -41,14 +59,16 @@ def _service(request: web.Request, model: str) -> ModelService:
     return service
 
 
-def _usage(result: GenerationResult) -> dict[str, Any]:
+def _usage(record: UsageRecord, result: GenerationResult) -> dict[str, Any]:
+    """The counts as the signed record bills them, and what only the response tells its caller."""
+    counts = record.counts
     return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": len(result.output_ids),
-        "total_tokens": result.prompt_tokens + len(result.output_ids),
-        "prompt_tokens_details": {"cached_tokens": result.cached_read_tokens},
-        "cached_read_tokens": result.cached_read_tokens,
-        "cached_write_tokens": result.cached_write_tokens,
+        "prompt_tokens": counts.input_tokens,
+        "completion_tokens": counts.output_tokens,
+        "total_tokens": counts.input_tokens + counts.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": counts.cached_read_tokens},
+        "cached_read_tokens": counts.cached_read_tokens,
+        "cached_write_tokens": counts.cached_write_tokens,
         # This node's extensions, for the caller's own request only: tokens that agreed with its stored tokens
         # (what resuming at any token would reuse) and the time to first token measured inside the node.
         "matched_tokens": result.matched_tokens,
@@ -74,14 +94,14 @@ class Shape:
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def complete(self, result: GenerationResult) -> dict[str, Any]:
+    def complete(self, record: UsageRecord, result: GenerationResult) -> dict[str, Any]:
         reason = _finish_reason(result)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason}
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        body["usage"] = _usage(result)
+        body["usage"] = _usage(record, result)
         return body
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
@@ -94,9 +114,9 @@ class Shape:
         return self._envelope("text_completion",
                               [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}])
 
-    def usage_chunk(self, result: GenerationResult) -> dict[str, Any]:
+    def usage_chunk(self, record: UsageRecord, result: GenerationResult) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = _usage(result)
+        body["usage"] = _usage(record, result)
         return body
 
 
@@ -113,20 +133,36 @@ def _observe(request: web.Request, result: GenerationResult) -> None:
                                             result.ttft_s, result.queue_wait_s)
 
 
-def _raise_failure(event: Failed) -> None:
-    if isinstance(event.error, ApiError):
-        raise event.error
-    raise ApiError(500, "the model failed on this request; the node keeps serving", type="server_error") \
-        from event.error
+def _failure(event: Failed) -> NodeError:
+    if isinstance(event.error, NodeError):
+        return event.error
+    return ModelFailure("the model failed on this request; the node keeps serving")
 
 
 async def _next_event(job: MeteredJob) -> Event:
     try:
         return await job.next_event()
     except LedgerError as exc:
-        raise ApiError(503, "the node could not record the usage of this completion, so it is not delivered; "
-                       "retry later", type="server_error", code="metering_unavailable",
-                       retry_after_s=METERING_RETRY_AFTER_S) from exc
+        raise Unavailable("the node could not record the usage of this completion, so it is not delivered; "
+                          "retry later", code="metering_unavailable", retry_after_s=METERING_RETRY_AFTER_S) from exc
+
+
+def check_requirements(request: web.Request, caller: Caller) -> None:
+    """Refuse, before anything is computed, a request whose requirements this node does not meet."""
+    try:
+        requested = requirements_from_headers(request.headers)
+    except RequirementHeaderError as exc:
+        raise InvalidRequest(str(exc), param=exc.header, code="invalid_requirement") from exc
+    requirements = merge(caller.requirements, requested)
+    if requirements == NO_REQUIREMENTS:
+        return
+    evidence, prices = request.app[IDENTITY].evidence, request.app[METER].pricing.current()
+    offer = Offer(evidence.evidence_type, evidence.trusted, request.app[POLICY].jurisdiction,
+                  {name: getattr(prices, f"{name}_price_wei") for name in TOKEN_CLASSES})
+    missing = unmet(requirements, offer)
+    if missing:
+        raise RequirementNotMet("this node does not meet the request's requirements: "
+                                + "; ".join(item.message for item in missing), param=missing[0].requirement)
 
 
 async def _respond(request: web.Request, service: ModelService, caller: Caller, prompt: RenderedChat,
@@ -162,13 +198,14 @@ async def _respond(request: web.Request, service: ModelService, caller: Caller, 
             event = await _next_event(job)
             if isinstance(event, Finished):
                 _observe(request, event.result)
-                body = shape.complete(event.result)
+                assert job.record is not None  # recorded before the outcome is handed out
+                body = shape.complete(job.record, event.result)
                 if params.return_token_ids:
                     body["prompt_token_ids"] = prompt.ids
                     body["choices"][0]["token_ids"] = event.result.output_ids
                 return web.json_response(body)
             if isinstance(event, Failed):
-                _raise_failure(event)
+                raise _failure(event)
     finally:
         job.close()  # a no-op once finished; stops decoding when the client went away
 
@@ -184,7 +221,7 @@ async def _stream(request: web.Request, response: web.StreamResponse, job: Meter
     while True:
         try:
             event = await _next_event(job)
-        except ApiError as unrecorded:
+        except NodeError as unrecorded:
             await _send(response, unrecorded.body())
             break
         if isinstance(event, TextDelta):
@@ -194,28 +231,31 @@ async def _stream(request: web.Request, response: web.StreamResponse, job: Meter
             _observe(request, event.result)
             await _send(response, shape.chunk(None if shape.chat else "", _finish_reason(event.result)))
             if params.include_usage:
-                await _send(response, shape.usage_chunk(event.result))
+                assert job.record is not None
+                await _send(response, shape.usage_chunk(job.record, event.result))
             break
         else:
-            error = event.error if isinstance(event.error, ApiError) else ApiError(
-                500, "the model failed on this request; the node keeps serving", type="server_error")
-            await _send(response, error.body())
+            await _send(response, _failure(event).body())
             break
     await _send(response, "[DONE]")
     await response.write_eof()
     return response
 
 
+@routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    caller = caller_of(request)
+    caller = request[CALLER]
+    check_requirements(request, caller)
     chat = await read_body(request, parse_chat)
     service = _service(request, chat.params.model)
     prompt = await off_loop(request, service.chat_prompt, chat.messages)
     return await _respond(request, service, caller, prompt, chat.params, Shape(True, service.model_id))
 
 
+@routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
-    caller = caller_of(request)
+    caller = request[CALLER]
+    check_requirements(request, caller)
     completion = await read_body(request, parse_completion)
     service = _service(request, completion.params.model)
     # Text is tokenized off the loop; token ids are checked on it (bounded by the context, no thread hop on
@@ -226,35 +266,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _respond(request, service, caller, prompt, completion.params, Shape(False, service.model_id))
 
 
+@routes.get("/v1/models")
 async def models(request: web.Request) -> web.Response:
-    caller_of(request)
     service = request.app[SERVICE]
     return web.json_response({"object": "list", "data": [{
         "id": service.model_id, "object": "model", "created": 0, "owned_by": "tenzro",
         "context_length": service.loaded.context_length, "reuse": service.runner.reuse_enabled,
     }]})
-
-
-async def health(request: web.Request) -> web.Response:
-    """That the node serves, to anyone; the queue's depth too, to an operator key."""
-    service = request.app[SERVICE]
-    body: dict[str, Any] = {"status": "ok", "model": service.model_id}
-    authorization = request.headers.get("Authorization")
-    if authorization:
-        request.app[KEYRING].operator_for(authorization, "the queue's depth in /health")
-        body.update(service.scheduler.describe())
-    return web.json_response(body)
-
-
-async def metrics(request: web.Request) -> web.Response:
-    request.app[KEYRING].operator_for(request.headers.get("Authorization"), "GET /metrics")
-    return web.Response(body=request.app[METRICS].render(), content_type="text/plain", charset="utf-8")
-
-
-ROUTES: list[tuple[str, str, Callable[[web.Request], Any]]] = [
-    ("POST", "/v1/chat/completions", chat_completions),
-    ("POST", "/v1/completions", completions),
-    ("GET", "/v1/models", models),
-    ("GET", "/health", health),
-    ("GET", "/metrics", metrics),
-]

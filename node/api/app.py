@@ -1,0 +1,88 @@
+"""The aiohttp application: shared objects under typed keys, the middleware, and every route table.
+
+Every step of a request whose cost grows with its size (parsing a large body, rendering, tokenizing) runs
+on the `PREPARE` threads, never on the event loop, so `/health` and every other route keep answering while
+a large request is prepared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from node.api import completions, identity, operations, records, rpc
+from node.api.keys import CONFIG, HYGIENE, IDENTITY, KEYRING, METER, METRICS, POLICY, PREPARE, SERVICE
+from node.api.middleware import auth_middleware, error_middleware
+from node.auth import KeyRing
+from node.config import NodeConfig
+from node.identity import NodeIdentity
+from node.meter import Meter, MeteringPaths
+from node.metrics import NodeMetrics
+from node.service import ModelService
+from policies.node_policy import NodePolicy
+
+PREPARE_THREADS = 2
+METER_CLOSE_TIMEOUT_S = 30.0
+KEY_REFRESH_S = 0.5
+"""How often the config is re-read: a removed key's state is destroyed within this much (plus the job running)."""
+
+ROUTE_TABLES = (completions.routes, records.routes, identity.routes, operations.routes, rpc.routes)
+
+
+def create_app(config: NodeConfig, config_path: Path, service: ModelService, metering: MeteringPaths,
+               node_identity: NodeIdentity, policy: NodePolicy, hygiene: dict[str, Any] | None = None
+               ) -> web.Application:
+    # Errors outermost: an authentication failure leaves as JSON too.
+    app = web.Application(client_max_size=config.limits.max_body_bytes,
+                          middlewares=[error_middleware, auth_middleware])
+    app[CONFIG] = config
+    scheduler, runner = service.scheduler, service.runner
+    # A caller removed from the config loses its state and keys on the worker thread, which owns them.
+    app[KEYRING] = KeyRing(config_path, on_removed=lambda name: scheduler.chore(lambda: runner.drop_caller(name)))
+    scheduler.ttl_of = app[KEYRING].ttl_of
+    app[SERVICE] = service
+    app[HYGIENE] = hygiene or {}
+    app[IDENTITY] = node_identity
+    app[POLICY] = policy
+    arena = runner.arena
+    app[METRICS] = NodeMetrics(
+        cached_bytes=lambda: float(arena.bytes_total) if arena is not None else 0.0,
+        queue_waiting=lambda: float(scheduler.waiting),
+        snapshot_bytes=lambda: float(arena.snapshot_bytes) if arena is not None else 0.0,
+        forward_path=(service.model_id, service.loaded.forward_path.name, service.loaded.forward_path.reason),
+        plaintext_bytes=lambda: float(arena.hot_bytes) if arena is not None else 0.0,
+        sealed_open_failures=lambda: float(arena.open_failures) if arena is not None else 0.0)
+
+    async def watch_keys(app: web.Application) -> None:
+        while True:
+            await asyncio.sleep(KEY_REFRESH_S)
+            app[KEYRING].refresh()
+
+    async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[PREPARE] = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
+        scheduler.start()
+        watcher = asyncio.create_task(watch_keys(app))
+        yield
+        watcher.cancel()
+        scheduler.stop()
+        app[PREPARE].shutdown(wait=False, cancel_futures=True)
+
+    async def meter_ctx(app: web.Application) -> AsyncIterator[None]:
+        # The boot's evidence beside its segment: an auditor checks the segment's key against it offline.
+        node_identity.write_evidence(metering.ledger_dir)
+        app[METER] = Meter.open(metering, node_identity.signer, node_identity.evidence_digest, node_identity.boot_id)
+        yield
+        await app[METER].close(METER_CLOSE_TIMEOUT_S)
+
+    # Cleanup runs in reverse: the meter closes while the engine still runs, so that the cancelled jobs
+    # it still has to record can end.
+    app.cleanup_ctx.append(engine_ctx)
+    app.cleanup_ctx.append(meter_ctx)
+    for table in ROUTE_TABLES:
+        app.router.add_routes(table)
+    return app

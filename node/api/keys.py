@@ -1,0 +1,31 @@
+"""The application's and requests' typed keys: the one module every route module imports, importing none."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import web
+
+from node.auth import KeyRing
+from node.config import Caller, NodeConfig
+from node.identity import NodeIdentity
+from node.meter import Meter
+from node.metrics import NodeMetrics
+from node.service import ModelService
+from policies.node_policy import NodePolicy
+
+CONFIG = web.AppKey("config", NodeConfig)
+KEYRING = web.AppKey("keyring", KeyRing)
+SERVICE = web.AppKey("service", ModelService)
+METRICS = web.AppKey("metrics", NodeMetrics)
+METER = web.AppKey("meter", Meter)
+PREPARE = web.AppKey("prepare", ThreadPoolExecutor)
+"""Threads for the steps of a request that grow with its size (parsing, rendering, tokenizing)."""
+HYGIENE = web.AppKey("hygiene", dict[str, Any])
+IDENTITY = web.AppKey("identity", NodeIdentity)
+POLICY = web.AppKey("policy", NodePolicy)
+
+CALLER = web.RequestKey("caller", Caller)
+"""The authenticated caller, set by the authentication middleware; absent on a public route called without a
+key."""

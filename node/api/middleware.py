@@ -1,0 +1,132 @@
+"""Middleware: every failure leaves as an OpenAI-shaped JSON body, and every request past the public routes
+carries an authenticated caller.
+
+Handlers and the service raise the node's domain errors (`node.errors`); `STATUS` is the one place that says
+which HTTP status each kind of refusal gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web, web_protocol
+
+from node.api.keys import CALLER, CONFIG, KEYRING, METRICS
+from node.errors import (
+    InvalidRequest,
+    ModelFailure,
+    NodeError,
+    NotFound,
+    Overloaded,
+    PermissionDenied,
+    RequirementNotMet,
+    Unauthenticated,
+    Unavailable,
+)
+from node.log_privacy import Safe
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+STATUS: dict[type[NodeError], int] = {
+    InvalidRequest: 400,
+    Unauthenticated: 401,
+    PermissionDenied: 403,
+    NotFound: 404,
+    RequirementNotMet: 412,  # the conditions the request states (its headers, its caller's config) are not met
+    ModelFailure: 500,
+    Overloaded: 503,
+    Unavailable: 503,
+}
+HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+CLIENT_GONE = "499"
+"""The status counted for a request whose client went away before an answer."""
+
+PUBLIC_ROUTES = frozenset({"/health", "/v1/node", "/v1/attestation", "/rpc"})
+"""Routes that answer without a key. A key sent to them is still checked, and what they show beyond the public
+part depends on it (`/health`'s queue depth for operators; JSON-RPC methods that read a caller's records)."""
+
+
+def status_of(error: NodeError) -> int:
+    return next(status for kind, status in STATUS.items() if isinstance(error, kind))
+
+
+def error_response(status: int, body: dict[str, Any], retry_after_s: int | None = None) -> web.Response:
+    headers = {} if retry_after_s is None else {"Retry-After": str(retry_after_s)}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def node_error_response(error: NodeError) -> web.Response:
+    return error_response(status_of(error), error.body(), error.retry_after_s)
+
+
+def _http_error(status: int, message: str, code: str | None = None) -> web.Response:
+    kind = HTTP_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return error_response(status, {"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+def _parser_error(self: web_protocol.RequestHandler, request: web.BaseRequest, status: int = 500,
+                  exc: BaseException | None = None, message: str | None = None) -> web.StreamResponse:
+    """aiohttp answers what its HTTP parser rejects (an oversized header line, a malformed request) itself,
+    outside every middleware, in plain text, and logs the exception, whose message quotes the first 100
+    bytes of the offending line. This replacement answers OpenAI-shaped JSON and logs the error's type only."""
+    log.warning("rejected a malformed HTTP request (%s, status %d)", Safe(type(exc).__name__), status)
+    if request.writer.output_size > 0:
+        raise ConnectionError("the response was already started")
+    if status < 500:
+        response = _http_error(status, "the request is not valid HTTP or one of its lines is too long",
+                               "bad_http_request")
+    else:
+        response = _http_error(status, "internal error")
+    response.force_close()
+    return response
+
+
+web_protocol.RequestHandler.handle_error = _parser_error  # type: ignore[method-assign, assignment]
+
+
+def _route(request: web.Request) -> str | None:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else None
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves as an OpenAI-shaped JSON body; request counts by route and status."""
+    endpoint = _route(request) or "unmatched"
+    metrics = request.app[METRICS]
+    try:
+        response = await handler(request)
+    except (asyncio.CancelledError, ConnectionResetError):  # the client went away: nothing to answer
+        metrics.requests.labels(endpoint=endpoint, status=CLIENT_GONE).inc()
+        raise
+    except NodeError as exc:
+        response = node_error_response(exc)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[CONFIG].limits.max_body_bytes
+        response = _http_error(413, f"the request body is larger than the limit of {limit} bytes",
+                               "request_too_large")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = _http_error(exc.status, exc.reason or "request failed")
+    except Exception as exc:  # noqa: BLE001 - the node keeps serving; the type is logged, never the content
+        log.error("internal error in %s: %s", Safe(endpoint), Safe(type(exc).__name__))
+        response = _http_error(500, "internal error; the request was not completed")
+    metrics.requests.labels(endpoint=endpoint, status=str(response.status)).inc()
+    return response
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Put the caller of the request's API key on it (`CALLER`): required on every matched route but the
+    public ones, checked on those too when a key is sent. Unmatched paths go on to their 404 or 405."""
+    route = _route(request)
+    authorization = request.headers.get("Authorization")
+    if route is not None and (route not in PUBLIC_ROUTES or authorization is not None):
+        request[CALLER] = request.app[KEYRING].caller_for(authorization)
+    return await handler(request)

@@ -1,0 +1,30 @@
+"""Operators' routes: `/health` (that the node serves, to anyone; the queue's depth to operator keys) and
+`/metrics`, for operator keys only, so that no caller learns the shape of other callers' traffic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from node.api.keys import CALLER, METRICS, SERVICE
+from node.auth import require_operator
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    body: dict[str, Any] = {"status": "ok", "model": service.model_id}
+    caller = request.get(CALLER)
+    if caller is not None:
+        require_operator(caller, "the queue's depth in /health")
+        body.update(service.scheduler.describe())
+    return web.json_response(body)
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    require_operator(request[CALLER], "GET /metrics")
+    return web.Response(body=request.app[METRICS].render(), content_type="text/plain", charset="utf-8")
