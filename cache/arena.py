@@ -41,6 +41,11 @@ DEFER_BYTES = 32 * 1024 * 1024
 model); beyond it a waiting request waits for the seal."""
 
 
+DROP_MARGIN = 2.0
+"""An entry is dropped only when it opens at least this many times slower than it computes: near parity the
+load-time measurement's noise must not decide, and keeping is the safe side."""
+
+
 @dataclass(frozen=True, slots=True)
 class SealCost:
     """One model's price of keeping state sealed, measured at load: opening a stored byte against computing a
@@ -54,7 +59,7 @@ class SealCost:
     """The measured entry: when even it is not worth sealing, nothing of the model is kept past the hot tier."""
 
     def worth_sealing(self, nbytes: int, tokens: int) -> bool:
-        return nbytes * self.open_s_per_byte <= max(tokens, 1) * self.recompute_s_per_token
+        return nbytes * self.open_s_per_byte <= DROP_MARGIN * max(tokens, 1) * self.recompute_s_per_token
 
     @property
     def model_worth_sealing(self) -> bool:
