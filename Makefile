@@ -33,7 +33,7 @@ test: $(STAMP)
 	TENZRO_NATIVE=off $(PY) -m pytest -q -rs $(FORWARD_TESTS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check node cache metering attestation policies tests scripts setup.py
+	$(VENV)/bin/ruff check node cache metering attestation policies router bench tests scripts setup.py
 	$(VENV)/bin/mypy
 
 clean:

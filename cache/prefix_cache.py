@@ -10,6 +10,10 @@ the scope from the authenticated caller; there is no lookup by anything else.
 
 A resume point is a position where every layer's need is met: for models whose layers all keep spans
 (full attention), any position the stored spans cover; otherwise the end of a node holding a snapshot.
+
+For routing summaries (`cache/summary.py`) a scope also remembers prefix forms: the SHA-256 of the canonical
+form of a prompt prefix, with its token position and the tokens stored with it. They are digests of prompt
+content: memory only, dropped with the scope, and read only to be keyed for the router that owns the scope.
 """
 
 from __future__ import annotations
@@ -17,13 +21,27 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cache.budget import CacheBudget
-from cache.radix_tree import RadixTree, TreeNode
+from cache.radix_tree import PrefixMatch, RadixTree, TreeNode
 from cache.scope import Scope, SpanHandle
+
+ROUTED = "/"
+"""Joins a router's name and the id of a caller it acts for into that caller's name (`router/id`). Caller names
+never hold it, so a router's callers are told apart from every other caller, and go with the router."""
+
+MAX_FORMS = 4096
+"""Prefix forms a scope remembers (the most recently stored): at most this many summary entries per scope. The
+forms of one request share one tuple of its tokens."""
+
+
+def belongs_to(scope: Scope, caller: str) -> bool:
+    """The scope is `caller`'s, or one of a caller `caller` acts for as a router."""
+    return scope.caller == caller or scope.caller.startswith(caller + ROUTED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +103,8 @@ class PrefixCache:
         self._clock = itertools.count(1).__next__
         self._used: dict[Scope, float] = {}
         """When each scope was last used (monotonic seconds), for time-to-live expiry."""
+        self._forms: dict[Scope, OrderedDict[bytes, tuple[int, tuple[int, ...]]]] = {}
+        """Per scope: prefix form -> (its token position, the tokens stored with it), oldest first."""
         self.evicted_spans = 0
         self.evicted_snapshots = 0
         self.expired_scopes = 0
@@ -109,16 +129,8 @@ class PrefixCache:
             return ReuseLease(scope, 0, (), None, None, 0)
         self._used[scope] = time.monotonic()
         match = tree.match(tokens)
-        cap = min(match.length, limit)
-        length, snapshot, last = 0, None, None
-        if anywhere:
-            length = cap
-        for node in match.nodes:
-            if node.end > cap:
-                break
-            assert node.handle is not None
-            if not anywhere and self.arena.has_snapshot(node.handle):
-                length, snapshot = node.end, node.handle
+        length, snapshot = self._resume_point(match, min(match.length, limit), anywhere)
+        last = None
         spans: list[tuple[SpanHandle, int]] = []
         for node in match.nodes:
             if node.start >= length:
@@ -129,6 +141,55 @@ class PrefixCache:
         if last is not None:
             tree.lock(last)
         return ReuseLease(scope, length, tuple(spans), snapshot, last, match.length)
+
+    def _resume_point(self, match: PrefixMatch[SpanHandle], cap: int, anywhere: bool
+                      ) -> tuple[int, SpanHandle | None]:
+        """The deepest resume point of `match` at most `cap` tokens in, and the handle holding its snapshot."""
+        if anywhere:
+            return cap, None
+        length, snapshot = 0, None
+        for node in match.nodes:
+            if node.end > cap:
+                break
+            assert node.handle is not None
+            if self.arena.has_snapshot(node.handle):
+                length, snapshot = node.end, node.handle
+        return length, snapshot
+
+    def resume_depth(self, scope: Scope, tokens: Sequence[int], anywhere: bool) -> int:
+        """How deep along `tokens` the scope holds a resume point: `acquire`'s length without a lease and without
+        touching anything (eviction order stays as requests left it)."""
+        tree = self._trees.get(scope)
+        if tree is None:
+            return 0
+        match = tree.peek(tokens)
+        return self._resume_point(match, match.length, anywhere)[0]
+
+    def record_forms(self, scope: Scope, tokens: tuple[int, ...], forms: Sequence[tuple[int, bytes]]) -> None:
+        """Remember, for each (position, form), that `tokens[:position]` is the prefix whose form is `form`;
+        called after `tokens` were stored. The MAX_FORMS most recent forms are kept."""
+        log = self._forms.setdefault(scope, OrderedDict())
+        for position, form in forms:
+            log[form] = (position, tokens)
+            log.move_to_end(form)
+        while len(log) > MAX_FORMS:
+            log.popitem(last=False)
+
+    def warm_forms(self, select: Callable[[Scope], bool], anywhere: bool) -> list[tuple[Scope, bytes]]:
+        """The remembered forms of the selected scopes whose prefix the scope can still resume: a resume point
+        held at or beyond the form's position along its tokens. Touches nothing."""
+        warm = []
+        for scope, log in self._forms.items():
+            if not select(scope):
+                continue
+            depths: dict[int, int] = {}  # by the identity of a tokens tuple: one walk per stored request
+            for form, (position, tokens) in log.items():
+                depth = depths.get(id(tokens))
+                if depth is None:
+                    depth = depths[id(tokens)] = self.resume_depth(scope, tokens, anywhere)
+                if depth >= position:
+                    warm.append((scope, form))
+        return warm
 
     def release(self, lease: ReuseLease) -> None:
         if lease.node is not None:
@@ -218,6 +279,7 @@ class PrefixCache:
         """Free the scope's state, zeroed, and destroy its key: what was sealed under it never opens again."""
         tree = self._trees.pop(scope, None)
         self._used.pop(scope, None)
+        self._forms.pop(scope, None)
         if tree is not None:
             for node in tree.nodes():
                 assert node.handle is not None
@@ -225,8 +287,9 @@ class PrefixCache:
         self.arena.forget(scope)
 
     def drop_caller(self, caller: str) -> list[Scope]:
-        """Drop every scope of `caller` (its key was removed); returns them."""
-        scopes = [scope for scope in self._trees if scope.caller == caller]
+        """Drop every scope of `caller` and of the callers it acts for as a router (its key was removed); returns
+        them."""
+        scopes = [scope for scope in self._trees if belongs_to(scope, caller)]
         for scope in scopes:
             self.drop_scope(scope)
         return scopes

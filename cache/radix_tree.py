@@ -70,16 +70,23 @@ class RadixTree(Generic[H]):
 
     def match(self, tokens: Sequence[int]) -> PrefixMatch[H]:
         """The longest stored prefix of `tokens`; touches the nodes on the path."""
+        return self._walk(tokens, self._clock())
+
+    def peek(self, tokens: Sequence[int]) -> PrefixMatch[H]:
+        """`match` without touching: for reading what is held (a summary) without changing eviction order."""
+        return self._walk(tokens, None)
+
+    def _walk(self, tokens: Sequence[int], now: int | None) -> PrefixMatch[H]:
         tokens = tuple(tokens)
         nodes: list[TreeNode[H]] = []
         node, pos = self.root, 0
-        now = self._clock()
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
                 break
             common = common_prefix_length(child.tokens, tokens[pos:pos + len(child.tokens)])
-            child.last_access = now
+            if now is not None:
+                child.last_access = now
             nodes.append(child)
             pos += common
             if common < len(child.tokens):

@@ -23,12 +23,15 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bench.report import Target, columns
+
 if TYPE_CHECKING:
-    from node.bench import Client, PromptSource, Timing
+    from bench.client import Client, Timing
+    from bench.prompts import PromptSource
 
     Probe = Callable[[Client, Client, PromptSource, int], Awaitable[Timing]]
     """Runs one condition on fresh prompts of a length: (caller A, caller B, prompts, length) -> timing."""
@@ -135,13 +138,7 @@ COMPARISONS = (Comparison("cross-caller", "cached", "not-cached", must_differ=Fa
 
 
 @dataclass(frozen=True, slots=True)
-class Settings:
-    url: str
-    model: str
-    local: bool
-    threads: int | None
-    """Torch threads of the local node; None when auditing --url."""
-    device: str | None
+class Settings(Target):
     samples: int
     length: int
     seed: int
@@ -190,7 +187,7 @@ async def run_trials(a: Client, b: Client, source: PromptSource, samples: int, l
                      seed: int) -> list[Sample]:
     """`samples` trials of every condition, each trial's conditions in a random order seeded by `seed`,
     after WARMUP_TRIALS untimed ones that load and warm what the first trial would otherwise pay for."""
-    from node.bench import progress
+    from bench.report import progress
 
     order_rng = random.Random(f"audit-timing-order-{seed}")  # a stream of its own, apart from the prompts'
     results: list[Sample] = []
@@ -243,47 +240,36 @@ def format_table(verdict: Verdict) -> str:
         lines.append((r.test, f"{r.with_state} vs {r.without_state}", str(r.samples),
                       f"{r.with_state_median_ms:.1f}", f"{r.without_state_median_ms:.1f}", f"{r.d:.3f}",
                       f"{r.p:.3g}", f"{outcome}: {'pass' if r.passed else 'FAIL'}"))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    text = "\n".join("  ".join(cell.ljust(width) if column < 2 else cell.rjust(width)
-                               for column, (cell, width) in enumerate(zip(line, widths, strict=True)))
-                     for line in lines)
-    return (text + f"\ncaller B: cached tokens not 0 in {verdict.b_cached_requests} of {verdict.b_requests} "
-            f"requests: {'FAIL' if verdict.b_cached_requests else 'pass'}")
+    return (columns(lines, left=2) + f"\ncaller B: cached tokens not 0 in {verdict.b_cached_requests} of "
+            f"{verdict.b_requests} requests: {'FAIL' if verdict.b_cached_requests else 'pass'}")
 
 
 async def _audit(args: argparse.Namespace, seed: int) -> tuple[Settings, list[Sample]]:
-    import aiohttp
-
-    from node.bench import REQUEST_TIMEOUT_S, BenchError, Client, LocalNode, PromptSource, api_base, progress
+    from bench.client import Client, open_session
+    from bench.local_node import LocalNode
+    from bench.prompts import PromptSource
+    from bench.report import progress
 
     async def trials(a: Client, b: Client, settings: Settings) -> list[Sample]:
         progress(f"audit: model '{a.model}' at {a.base}: {settings.samples} trials of {settings.length}-token "
                  f"prompts, seed {settings.seed}")
         return await run_trials(a, b, PromptSource(seed), settings.samples, settings.length, seed)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as session:
+    async with open_session() as session:
         if args.url:
-            a = Client(session, api_base(args.url), args.key_a)
-            b = Client(session, api_base(args.url), args.key_b)
-            a.model = b.model = args.model or await a.first_model()
+            a = await Client.connect(session, args.url, args.key_a, args.model)
+            b = Client(session, a.base, args.key_b, a.model)
             settings = Settings(a.base, a.model, False, None, None, args.samples, args.length, seed, ALPHA)
             return settings, await trials(a, b, settings)
-        with tempfile.TemporaryDirectory(prefix="tenzro-audit-") as workdir:
-            node = LocalNode(Path(workdir), args.model or "default", args.threads, args.device)
-            try:
-                progress(f"audit: starting a local node for model '{node.model}' on {node.root}")
-                node.start()
-                a = Client(session, api_base(node.root), node.add_key("audit-a"))
-                b = Client(session, api_base(node.root), node.add_key("audit-b"))
-                await node.wait_healthy(session)
-                a.model = b.model = await a.first_model()
-                settings = Settings(a.base, a.model, True, args.threads, args.device, args.samples, args.length,
-                                    seed, ALPHA)
-                return settings, await trials(a, b, settings)
-            except (BenchError, aiohttp.ClientError) as exc:
-                raise BenchError(f"{exc}\nnode log:\n{node.log_tail()}") from exc
-            finally:
-                node.stop()
+        with (tempfile.TemporaryDirectory(prefix="tenzro-audit-") as workdir,
+              LocalNode(Path(workdir), args.model or "default", args.threads, args.device) as node):
+            progress(f"audit: starting a local node for model '{node.model}' on {node.root}")
+            await node.wait_healthy(session)
+            a = await node.client(session, node.add_key("audit-a"))
+            b = await node.client(session, node.add_key("audit-b"), a.model)
+            settings = Settings(a.base, a.model, True, args.threads, args.device, args.samples, args.length,
+                                seed, ALPHA)
+            return settings, await trials(a, b, settings)
 
 
 def run_timing_audit(args: argparse.Namespace) -> int:
@@ -291,9 +277,8 @@ def run_timing_audit(args: argparse.Namespace) -> int:
     fails; 2 when the audit cannot run."""
     # Imported here, not at the top: every `tenzro` command builds this module's parser, and the light ones
     # (`keys add`, `metering verify`) should not pay for loading aiohttp.
-    import aiohttp
-
-    from node.bench import BenchError, write_report
+    from bench.client import BenchError
+    from bench.report import failed, write_report
 
     try:
         if args.samples < MIN_SAMPLES:
@@ -309,15 +294,13 @@ def run_timing_audit(args: argparse.Namespace) -> int:
         # have B's own prompts cached.
         seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
         settings, samples = asyncio.run(_audit(args, seed))
-    except (BenchError, aiohttp.ClientError, TimeoutError) as exc:
-        print(f"tenzro: error: {str(exc) or type(exc).__name__}", file=sys.stderr)
-        return 2
+    except BenchError as exc:
+        return failed(exc)
     verdict = judge(samples, settings.alpha)
     print(format_table(verdict))
-    write_report(Path(args.out), {"settings": asdict(settings), "rows": [asdict(r) for r in verdict.rows],
-                                  "b_requests": verdict.b_requests, "b_cached_requests": verdict.b_cached_requests,
-                                  "failures": list(verdict.failures), "passed": not verdict.failures,
-                                  "samples": [asdict(s) for s in samples]})
+    write_report(Path(args.out), settings, verdict.rows, samples, b_requests=verdict.b_requests,
+                 b_cached_requests=verdict.b_cached_requests, failures=list(verdict.failures),
+                 passed=not verdict.failures)
     for failure in verdict.failures:
         print(f"tenzro: audit failed: {failure}", file=sys.stderr)
     return 1 if verdict.failures else 0

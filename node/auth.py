@@ -9,11 +9,14 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import re
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
+from cache.prefix_cache import ROUTED
 from node.config import Caller, ConfigError, hash_key, load_config
-from node.errors import PermissionDenied, Unauthenticated
+from node.errors import InvalidRequest, PermissionDenied, Unauthenticated
 from node.log_privacy import Safe
 
 log = logging.getLogger(__name__)
@@ -30,7 +33,8 @@ class KeyRing:
         self.refresh()
 
     def ttl_of(self, name: str) -> float | None:
-        caller = self._by_name.get(name)
+        """The time to live of caller `name`'s state; a router's callers (`router/id`) have the router's."""
+        caller = self._by_name.get(name.partition(ROUTED)[0])
         return None if caller is None else caller.ttl_s
 
     def refresh(self) -> None:
@@ -61,25 +65,51 @@ class KeyRing:
 
     def caller_for(self, authorization: str | None) -> Caller:
         """The caller of an `Authorization` header value; raises Unauthenticated otherwise."""
-        if not authorization:
-            raise Unauthenticated("missing API key: send the header 'Authorization: Bearer <key>'")
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise Unauthenticated("malformed Authorization header: expected 'Bearer <key>'")
-        if not key.isascii():  # keys are ASCII; a header with other bytes is no key (and never a 500)
-            raise Unauthenticated("invalid API key")
+        key = presented_key(authorization)
         self.refresh()
-        digest = hash_key(key.strip())
+        digest = hash_key(key)
         for known, caller in self._by_hash.items():
             if hmac.compare_digest(known, digest):
                 return caller
         raise Unauthenticated("invalid API key")
 
 
-def require_operator(caller: Caller | None, what: str) -> Caller:
-    """`caller` if its role is operator; raises Unauthenticated (no key) or PermissionDenied otherwise."""
+def presented_key(authorization: str | None) -> str:
+    """The API key of an `Authorization: Bearer <key>` header value; raises Unauthenticated otherwise."""
+    if not authorization:
+        raise Unauthenticated("missing API key: send the header 'Authorization: Bearer <key>'")
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise Unauthenticated("malformed Authorization header: expected 'Bearer <key>'")
+    if not key.isascii():  # keys are ASCII; a header with other bytes is no key (and never a 500)
+        raise Unauthenticated("invalid API key")
+    return key.strip()
+
+
+ROUTER = "router"
+CALLER_HEADER = "Tenzro-Caller"
+"""With a router key: the id of the caller the router acts for."""
+CALLER_ID = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+
+
+def acting_for(router: Caller, caller_id: str) -> Caller:
+    """The caller `router` asserts in `Tenzro-Caller`: named `router/id`, so that two routers' callers never share
+    state, with the router's retention, time to live and requirements. Only a router key may assert one: any
+    other key sending the header is refused, never served as itself."""
+    if router.role != ROUTER:
+        raise PermissionDenied(f"only a router key may send '{CALLER_HEADER}' ('tenzro keys add NAME --role "
+                               f"router'); send the request without it", code="router_role_required")
+    if not CALLER_ID.fullmatch(caller_id):
+        raise InvalidRequest(f"'{CALLER_HEADER}' must be 1-64 letters, digits, '_', '.', '@' or '-'",
+                             param=CALLER_HEADER, code="invalid_caller")
+    return replace(router, name=router.name + ROUTED + caller_id, role="caller", router=router.name)
+
+
+def require_role(caller: Caller | None, what: str, *roles: str) -> Caller:
+    """`caller` if it has one of `roles`; raises Unauthenticated (no key) or PermissionDenied otherwise."""
+    needs = " or ".join(roles)
     if caller is None:
-        raise Unauthenticated(f"{what} needs an operator key: send the header 'Authorization: Bearer <key>'")
-    if caller.role != "operator":
-        raise PermissionDenied(f"{what} needs an operator key ('tenzro keys add NAME --role operator')")
+        raise Unauthenticated(f"{what} needs an {needs} key: send the header 'Authorization: Bearer <key>'")
+    if caller.role not in roles:
+        raise PermissionDenied(f"{what} needs an {needs} key ('tenzro keys add NAME --role {roles[0]}')")
     return caller

@@ -12,6 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from attestation.cli import add_verify_parser
+from bench.agent import add_agent_bench
+from bench.reuse import add_reuse_bench
+from bench.route import add_route_bench
+from bench.scenarios import add_scenarios_bench
+from bench.seal import add_seal_bench
 from metering.ledger import LedgerError
 from metering.pricing import PricingError, load_pricing
 from node.audit_timing import add_audit_commands
@@ -28,6 +33,7 @@ from node.config import (
     tenzro_home,
 )
 from node.log_privacy import install_privacy_filter
+from router.cli import add_router_commands
 
 if TYPE_CHECKING:
     from node.meter import Meter, MeteringPaths
@@ -189,24 +195,6 @@ def _models_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_agent(args: argparse.Namespace) -> int:
-    from node.bench_agent import run_agent_bench
-
-    return run_agent_bench(args)
-
-
-def _bench_scenarios(args: argparse.Namespace) -> int:
-    from node.bench_scenarios import run_scenarios_bench
-
-    return run_scenarios_bench(args)
-
-
-def _bench_reuse(args: argparse.Namespace) -> int:
-    from node.bench import run_reuse_bench
-
-    return run_reuse_bench(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tenzro", description=__doc__)
     groups = parser.add_subparsers(dest="group", required=True)
@@ -271,52 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_metering_commands(groups)
 
     bench = groups.add_parser("bench", help="benchmarks").add_subparsers(dest="command", required=True)
-    reuse = bench.add_parser("reuse", help="time to first token, cold versus reused prefix")
-    reuse.add_argument("--url", help="an OpenAI-compatible base URL to measure (default: start a local node)")
-    reuse.add_argument("--model", help="model id at --url, or model dir/'default' for the local node")
-    reuse.add_argument("--api-key", default=os.environ.get("TENZRO_API_KEY") or os.environ.get("OPENAI_API_KEY"))
-    reuse.add_argument("--threads", type=int, default=1, help="torch threads of the local node")
-    reuse.add_argument("--lengths", default="512,1024,2048,4096")
-    reuse.add_argument("--new-tokens", type=int, default=32)
-    reuse.add_argument("--runs", type=int, default=5)
-    reuse.add_argument("--seed", type=int, default=0, help="of the random prompts; vary it between rounds against "
-                       "a server that keeps its cache, or its cold prompts are not cold")
-    reuse.add_argument("--out", default="bench-results/reuse.json")
-    reuse.add_argument("--device", help="device of the local node")
-    reuse.set_defaults(func=_bench_reuse)
-
-    from node.bench_seal import add_seal_bench
-
+    add_reuse_bench(bench)
     add_seal_bench(bench)
-
-    agent = bench.add_parser("agent", help="an agent workload: reused tokens and TTFT per reuse policy")
-    agent.add_argument("--url", help="measure this OpenAI-compatible server instead of local nodes (one mode)")
-    agent.add_argument("--model", default="hybrid",
-                       help="local: a model directory or a `models init --arch` name (built at default size)")
-    agent.add_argument("--api-key", default=os.environ.get("TENZRO_API_KEY") or os.environ.get("OPENAI_API_KEY"))
-    agent.add_argument("--threads", type=int, default=1)
-    agent.add_argument("--episodes", type=int, default=3)
-    agent.add_argument("--steps", type=int, default=10)
-    agent.add_argument("--budget-mib", type=int, default=0,
-                       help="also compare eviction policies (value vs lru) under this node budget; 48 shows "
-                            "the difference on the default hybrid models")
-    agent.add_argument("--out", default="bench-results/agent.json")
-    agent.add_argument("--device")
-    agent.set_defaults(func=_bench_agent)
-
-    scenarios = bench.add_parser("scenarios", help="token-exact recompute scenarios on a hybrid model")
-    scenarios.add_argument("--url", help="an OpenAI-compatible base URL to measure instead of a local node")
-    scenarios.add_argument("--model", default="granite-moe-hybrid",
-                           help="local: a model directory or a `models init --arch` name (built at default size)")
-    scenarios.add_argument("--api-key",
-                           default=os.environ.get("TENZRO_API_KEY") or os.environ.get("OPENAI_API_KEY"))
-    scenarios.add_argument("--threads", type=int, default=1)
-    scenarios.add_argument("--snapshot-interval", type=int, default=128)
-    scenarios.add_argument("--runs", type=int, default=3)
-    scenarios.add_argument("--out", default="bench-results/scenarios.json")
-    scenarios.add_argument("--device")
-    scenarios.set_defaults(func=_bench_scenarios)
+    add_agent_bench(bench)
+    add_scenarios_bench(bench)
+    add_route_bench(bench)
     add_audit_commands(groups)
+    add_router_commands(groups)
     attest = groups.add_parser("attest", help="attestation evidence").add_subparsers(dest="command", required=True)
     add_verify_parser(attest)
     return parser

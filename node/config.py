@@ -44,6 +44,9 @@ class Caller:
     """Seconds the caller's stored state lives unused before it is destroyed; None: until evicted."""
     requirements: CallerRequirements = NO_REQUIREMENTS
     """What every request of this caller requires of the node; a request's headers can only narrow it."""
+    router: str | None = None
+    """The router acting for this caller (`node.auth.acting_for`): the caller is then named `router/id` and has
+    the router's retention, time to live and requirements. Never in the file."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +65,10 @@ class NodeConfig:
     limits: Limits = field(default_factory=Limits)
 
 
-ROLES = ("caller", "auditor", "operator")
-"""caller: completions and its own records; auditor: every record; operator: /metrics and the queue in /health."""
+ROLES = ("caller", "auditor", "operator", "router")
+"""caller: completions and its own records; auditor: every record; operator: /metrics and the queue in /health;
+router: completions as itself or for the callers it names in `Tenzro-Caller` (each one its own scope), the queue
+in /health, and the summary of its callers' warm prefixes (`GET /v1/cache/summary`)."""
 
 
 def tenzro_home() -> Path:

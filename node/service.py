@@ -3,6 +3,10 @@
 Rendering and tokenizing grow with a request's size, so the HTTP layer runs them off the event loop; before
 either, a prompt whose text alone cannot fit the context is refused: no token of this tokenizer stands for
 more than `LoadedModel.max_token_bytes` bytes, so B bytes of text are at least B / max_token_bytes tokens.
+
+For a caller reached through a router the prompt's prefix forms (`cache/summary.py`) are formed in the same
+step: a chat's at each message boundary the renderer reports, a text completion's whole prompt at its end; the
+runner remembers them with the stored state for the router's summaries. Other callers' requests form none.
 """
 
 from __future__ import annotations
@@ -12,14 +16,40 @@ from dataclasses import dataclass
 from cache.arena import Scope
 from cache.prefix_cache import PrefixCache
 from cache.snapshot_policy import SnapshotPolicy
+from cache.summary import ChatForms, completion_prefix_form
 from node.config import Limits
-from node.engine.chat_template import ChatTemplateError, RenderedChat, render_chat
+from node.engine.chat_template import BOUNDARY_MESSAGES, ChatTemplateError, RenderedChat, render_chat
 from node.engine.loader import LoadedModel
-from node.engine.runner import GenerationRequest, Runner
+from node.engine.runner import NO_FORMS, GenerationRequest, PrefixForms, Runner
 from node.engine.sampling import SamplingParams
 from node.engine.scheduler import Scheduler
 from node.errors import invalid_request
 from node.openai_schema import CommonParams, Message
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A request's prompt as the engine takes it: ids and message boundaries, and its prefix forms."""
+
+    rendered: RenderedChat
+    forms: PrefixForms = NO_FORMS
+
+    @property
+    def ids(self) -> list[int]:
+        return self.rendered.ids
+
+
+def chat_forms(messages: list[dict[str, str]], rendered: RenderedChat) -> PrefixForms:
+    """The forms of `messages`' prefixes at the boundaries `render_chat` reports, and of the chat continued by a
+    reply. The renderer tries where each of the last BOUNDARY_MESSAGES messages ends, in order; when it reports
+    one boundary for each, they are those ends in order. When it reports fewer (an end fell inside a token, or
+    the template is not stable under prefixes), which message ends where is unknown: no boundary is claimed."""
+    chat = ChatForms()
+    forms = [chat.add(message) for message in messages]
+    counts = range(max(1, len(messages) - BOUNDARY_MESSAGES + 1), len(messages) + 1)
+    at = (tuple((position, forms[count - 1]) for position, count in zip(rendered.boundaries, counts, strict=True))
+          if len(rendered.boundaries) == len(counts) else ())
+    return PrefixForms(at, chat.reply_form)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,31 +81,38 @@ class ModelService:
                                   f"this model is more than {per_token} bytes); this model's context length is "
                                   f"{self.loaded.context_length} tokens", param=param, code="context_length_exceeded")
 
-    def chat_prompt(self, messages: tuple[Message, ...]) -> RenderedChat:
+    def chat_prompt(self, messages: tuple[Message, ...], forms: bool = False) -> Prompt:
+        """The rendered chat, and its prefix forms when `forms` (a router's caller)."""
         self.check_text_fits(sum(len(m.content.encode("utf-8", "surrogatepass")) for m in messages), "messages")
+        plain = [{"role": m.role, "content": m.content} for m in messages]
         try:
-            return render_chat(self.loaded.tokenizer, [{"role": m.role, "content": m.content} for m in messages],
-                               fits=self.loaded.context_length - 1)
+            rendered = render_chat(self.loaded.tokenizer, plain, fits=self.loaded.context_length - 1)
         except ChatTemplateError as exc:
             raise invalid_request(f"model {self.model_id!r}: {exc}", param="messages") from exc
+        return Prompt(rendered, chat_forms(plain, rendered) if forms else NO_FORMS)
 
-    def text_prompt(self, prompt: str | tuple[int, ...]) -> RenderedChat:
-        """A text completion prompt: no message structure, so no boundaries. Token ids are checked only when
-        they can fit the context (`request` refuses the others), so the check is bounded by the context."""
+    def text_prompt(self, prompt: str | tuple[int, ...], forms: bool = False) -> Prompt:
+        """A text completion prompt: no message structure, so no boundaries; its form when `forms` (a router's
+        caller). Token ids are checked, and formed, only when they can fit the context (`request` refuses the
+        others), so the work is bounded by the context."""
         if isinstance(prompt, str):
             self.check_text_fits(len(prompt.encode("utf-8", "surrogatepass")), "prompt")
-            return RenderedChat(list(self.loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]), ())
-        vocab = self.vocab_size
-        if prompt and len(prompt) < self.loaded.context_length and (min(prompt) < 0 or max(prompt) >= vocab):
-            bad = next(i for i, t in enumerate(prompt) if not 0 <= t < vocab)
-            raise invalid_request(f"prompt[{bad}] is not a token id of this model (0 to {vocab - 1})",
-                                  param="prompt")
-        return RenderedChat(list(prompt), ())
+            rendered = RenderedChat(list(self.loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]), ())
+        else:
+            vocab = self.vocab_size
+            if prompt and len(prompt) < self.loaded.context_length and (min(prompt) < 0 or max(prompt) >= vocab):
+                bad = next(i for i, t in enumerate(prompt) if not 0 <= t < vocab)
+                raise invalid_request(f"prompt[{bad}] is not a token id of this model (0 to {vocab - 1})",
+                                      param="prompt")
+            rendered = RenderedChat(list(prompt), ())
+        if not (forms and len(rendered.ids) < self.loaded.context_length):
+            return Prompt(rendered)
+        return Prompt(rendered, PrefixForms(((len(rendered.ids), completion_prefix_form(prompt)),)))
 
-    def request(self, caller: str, rendered: RenderedChat, params: CommonParams, limits: Limits,
+    def request(self, caller: str, prepared: Prompt, params: CommonParams, limits: Limits,
                 prompt_param: str, retain: bool = True) -> GenerationRequest:
         """Check the prompt against the context length and build the engine request."""
-        prompt = rendered.ids
+        prompt = prepared.ids
         context = self.loaded.context_length
         if not prompt:
             raise invalid_request("the prompt is empty", param=prompt_param)
@@ -98,4 +135,5 @@ class ModelService:
                                   seed=params.seed, stop=params.stop, presence_penalty=params.presence_penalty,
                                   frequency_penalty=params.frequency_penalty, logit_bias=params.logit_bias)
         return GenerationRequest(scope=Scope(caller=caller, model=self.model_id), prompt=prompt, params=sampling,
-                                 boundaries=rendered.boundaries, retain=retain and params.retain)
+                                 boundaries=prepared.rendered.boundaries, retain=retain and params.retain,
+                                 forms=prepared.forms)

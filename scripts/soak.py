@@ -29,8 +29,8 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.local_node import TENZRO, LocalNode  # noqa: E402
 from metering.segment import read_records, segment_files  # noqa: E402
-from node.bench import LocalNode  # noqa: E402
 
 SETTLE_S = 2.0
 """An abandoned request is expected on the ledger if it was abandoned at least this long before the kill."""
@@ -126,7 +126,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
     (segment,) = segment_files(workdir / "ledger")
     key = (workdir / "node.log").read_text().split("signed by node key ")[1].split()[0]
-    verify = subprocess.run([*node.tenzro, "metering", "verify", str(segment), "--node-key", key],
+    verify = subprocess.run([*TENZRO, "metering", "verify", str(segment), "--node-key", key],
                             capture_output=True, text=True, check=False)
     records = {record.record_id: record for record in read_records(segment)[1]}
     missing_answers = [i for i in tally.answered if i not in records or records[i].status != "completed"]

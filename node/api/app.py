@@ -15,8 +15,9 @@ from typing import Any
 
 from aiohttp import web
 
-from node.api import completions, identity, operations, records, rpc
-from node.api.keys import CONFIG, HYGIENE, IDENTITY, KEYRING, METER, METRICS, POLICY, PREPARE, SERVICE
+from cache.summary import SummaryFilters
+from node.api import completions, identity, operations, records, rpc, summary
+from node.api.keys import CONFIG, HYGIENE, IDENTITY, KEYRING, METER, METRICS, POLICY, PREPARE, SERVICE, SUMMARIES
 from node.api.middleware import auth_middleware, error_middleware
 from node.auth import KeyRing
 from node.config import NodeConfig
@@ -31,7 +32,7 @@ METER_CLOSE_TIMEOUT_S = 30.0
 KEY_REFRESH_S = 0.5
 """How often the config is re-read: a removed key's state is destroyed within this much (plus the job running)."""
 
-ROUTE_TABLES = (completions.routes, records.routes, identity.routes, operations.routes, rpc.routes)
+ROUTE_TABLES = (completions.routes, records.routes, identity.routes, operations.routes, rpc.routes, summary.routes)
 
 
 def create_app(config: NodeConfig, config_path: Path, service: ModelService, metering: MeteringPaths,
@@ -42,8 +43,15 @@ def create_app(config: NodeConfig, config_path: Path, service: ModelService, met
                           middlewares=[error_middleware, auth_middleware])
     app[CONFIG] = config
     scheduler, runner = service.scheduler, service.runner
-    # A caller removed from the config loses its state and keys on the worker thread, which owns them.
-    app[KEYRING] = KeyRing(config_path, on_removed=lambda name: scheduler.chore(lambda: runner.drop_caller(name)))
+    app[SUMMARIES] = SummaryFilters()
+
+    def removed(name: str) -> None:
+        # A caller removed from the config loses its state and keys on the worker thread, which owns them; a
+        # router, its callers' too, and its summary filters.
+        scheduler.chore(lambda: runner.drop_caller(name))
+        app[SUMMARIES].forget(name)
+
+    app[KEYRING] = KeyRing(config_path, on_removed=removed)
     scheduler.ttl_of = app[KEYRING].ttl_of
     app[SERVICE] = service
     app[HYGIENE] = hygiene or {}

@@ -21,7 +21,6 @@ from metering.record import UsageRecord
 from node.api.body import off_loop, read_body
 from node.api.keys import CALLER, CONFIG, IDENTITY, METER, METRICS, POLICY, SERVICE
 from node.config import Caller
-from node.engine.chat_template import RenderedChat
 from node.engine.runner import GenerationRequest, GenerationResult
 from node.engine.scheduler import Event, Failed, Finished, Job, QueueFullError, TextDelta
 from node.errors import (
@@ -35,7 +34,7 @@ from node.errors import (
 )
 from node.meter import Completion, MeteredJob
 from node.openai_schema import CommonParams, parse_chat, parse_completion
-from node.service import ModelService
+from node.service import ModelService, Prompt
 from policies.requirements import (
     NO_REQUIREMENTS,
     TOKEN_CLASSES,
@@ -165,7 +164,7 @@ def check_requirements(request: web.Request, caller: Caller) -> None:
                                 + "; ".join(item.message for item in missing), param=missing[0].requirement)
 
 
-async def _respond(request: web.Request, service: ModelService, caller: Caller, prompt: RenderedChat,
+async def _respond(request: web.Request, service: ModelService, caller: Caller, prompt: Prompt,
                    params: CommonParams, shape: Shape) -> web.StreamResponse:
     generation = service.request(caller.name, prompt, params, request.app[CONFIG].limits,
                                  prompt_param="messages" if shape.chat else "prompt",
@@ -248,7 +247,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_requirements(request, caller)
     chat = await read_body(request, parse_chat)
     service = _service(request, chat.params.model)
-    prompt = await off_loop(request, service.chat_prompt, chat.messages)
+    prompt = await off_loop(request, service.chat_prompt, chat.messages, caller.router is not None)
     return await _respond(request, service, caller, prompt, chat.params, Shape(True, service.model_id))
 
 
@@ -259,10 +258,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     completion = await read_body(request, parse_completion)
     service = _service(request, completion.params.model)
     # Text is tokenized off the loop; token ids are checked on it (bounded by the context, no thread hop on
-    # the time to first token).
-    text = isinstance(completion.prompt, str)
-    prompt = await off_loop(request, service.text_prompt, completion.prompt) if text else service.text_prompt(
-        completion.prompt)
+    # the time to first token), unless they are also formed for a router's summary.
+    forms = caller.router is not None
+    prompt = (await off_loop(request, service.text_prompt, completion.prompt, forms)
+              if forms or isinstance(completion.prompt, str) else service.text_prompt(completion.prompt))
     return await _respond(request, service, caller, prompt, completion.params, Shape(False, service.model_id))
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
+from cache.summary import SummaryFilters
 from node.auth import KeyRing
 from node.config import Caller, NodeConfig
 from node.identity import NodeIdentity
@@ -25,6 +26,8 @@ PREPARE = web.AppKey("prepare", ThreadPoolExecutor)
 HYGIENE = web.AppKey("hygiene", dict[str, Any])
 IDENTITY = web.AppKey("identity", NodeIdentity)
 POLICY = web.AppKey("policy", NodePolicy)
+SUMMARIES = web.AppKey("summaries", SummaryFilters)
+"""Each router's summary filter per model, kept between its reads."""
 
 CALLER = web.RequestKey("caller", Caller)
 """The authenticated caller, set by the authentication middleware; absent on a public route called without a

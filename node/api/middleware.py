@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web, web_protocol
 
 from node.api.keys import CALLER, CONFIG, KEYRING, METRICS
+from node.auth import CALLER_HEADER, acting_for
 from node.errors import (
     InvalidRequest,
     ModelFailure,
@@ -123,10 +124,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Put the caller of the request's API key on it (`CALLER`): required on every matched route but the
-    public ones, checked on those too when a key is sent. Unmatched paths go on to their 404 or 405."""
+    """Put the effective caller of the request on it (`CALLER`): the caller of its API key or, for a router key
+    sending `Tenzro-Caller`, the caller the router acts for (`node.auth.acting_for`). Required on every matched
+    route but the public ones, checked on those too when a key or `Tenzro-Caller` is sent. Unmatched paths go on
+    to their 404 or 405."""
     route = _route(request)
     authorization = request.headers.get("Authorization")
-    if route is not None and (route not in PUBLIC_ROUTES or authorization is not None):
-        request[CALLER] = request.app[KEYRING].caller_for(authorization)
+    asserted = request.headers.getall(CALLER_HEADER, [])
+    if route is not None and (route not in PUBLIC_ROUTES or authorization is not None or asserted):
+        caller = request.app[KEYRING].caller_for(authorization)
+        # The header sent twice reads as its values joined by ", " (RFC 9110), which no caller id matches.
+        request[CALLER] = acting_for(caller, ", ".join(asserted)) if asserted else caller
     return await handler(request)

@@ -1,5 +1,6 @@
-"""Operators' routes: `/health` (that the node serves, to anyone; the queue's depth to operator keys) and
-`/metrics`, for operator keys only, so that no caller learns the shape of other callers' traffic."""
+"""Operators' routes: `/health` (that the node serves, to anyone; the queue's depth to operator and router keys,
+a router weighing the node's load) and `/metrics`, for operator keys only, so that no caller learns the shape of
+other callers' traffic."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from node.api.keys import CALLER, METRICS, SERVICE
-from node.auth import require_operator
+from node.auth import require_role
 
 routes = web.RouteTableDef()
 
@@ -19,12 +20,12 @@ async def health(request: web.Request) -> web.Response:
     body: dict[str, Any] = {"status": "ok", "model": service.model_id}
     caller = request.get(CALLER)
     if caller is not None:
-        require_operator(caller, "the queue's depth in /health")
+        require_role(caller, "the queue's depth in /health", "operator", "router")
         body.update(service.scheduler.describe())
     return web.json_response(body)
 
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    require_operator(request[CALLER], "GET /metrics")
+    require_role(request[CALLER], "GET /metrics", "operator")
     return web.Response(body=request.app[METRICS].render(), content_type="text/plain", charset="utf-8")

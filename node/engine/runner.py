@@ -7,7 +7,7 @@ feed the last generated token so the reply's state is complete, and store the ne
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,19 @@ from node.engine.seal_cost import measure_seal_cost
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixForms:
+    """What a routing summary may say of a request (`cache/summary.py`): the forms of its prompt's prefixes that
+    end on a message boundary (or its whole text prompt), each at its token position, and how to form the chat
+    continued by the reply (None for a text completion). SHA-256 digests of prompt content: memory only."""
+
+    at: tuple[tuple[int, bytes], ...] = ()
+    reply: Callable[[str], bytes] | None = None
+
+
+NO_FORMS = PrefixForms()
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     scope: Scope
     prompt: list[int]
@@ -35,6 +48,8 @@ class GenerationRequest:
     """Token positions where messages of the rendered chat template start (snapshot candidates)."""
     retain: bool = True
     """Keep this request's state for reuse; False: nothing of it is stored or left hot after the reply."""
+    forms: PrefixForms = NO_FORMS
+    """Remembered with the stored state (when it is kept), for the caller's router's summaries."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +123,11 @@ class Runner:
         return self.prefix_cache is not None
 
     @property
+    def resumes_anywhere(self) -> bool:
+        """Every position the stored spans cover is a resume point (`PrefixCache.acquire`'s `anywhere`)."""
+        return not self._takes_snapshots
+
+    @property
     def _takes_snapshots(self) -> bool:
         state = self.loaded.state
         return (self.prefix_cache is not None and state is not None
@@ -165,7 +185,7 @@ class Runner:
         # At least one prompt token is always computed: its logits choose the first output token.
         for _ in range(2):
             lease = self.prefix_cache.acquire(scope, prompt, limit=len(prompt) - 1,
-                                              anywhere=not self._takes_snapshots)
+                                              anywhere=self.resumes_anywhere)
             try:
                 # The same scope's last request left its state in the working buffers: the part of the lease
                 # it covers needs no copy.
@@ -184,7 +204,7 @@ class Runner:
             hot = None
         return state.new_cache(capacity)[0], 0, 0
 
-    def _store(self, scope: Scope, tokens: list[int], cache: DynamicCache, snapshots: dict[int, Snapshot]
+    def _store(self, scope: Scope, tokens: Sequence[int], cache: DynamicCache, snapshots: dict[int, Snapshot]
                ) -> StoreResult:
         if self.prefix_cache is None or self.loaded.state is None:
             return StoreResult(len(tokens), 0)
@@ -212,11 +232,12 @@ class Runner:
             self.prefix_cache.seal_cold(stop)
 
     def drop_caller(self, caller: str) -> None:
-        """The caller's key was removed: its stored state is zeroed, its keys destroyed, its hot working cache
-        wiped."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.drop_caller(caller)
-        if self._hot is not None and self._hot[0].caller == caller:
+        """The caller's key was removed: its stored state (and that of the callers it acts for as a router) is
+        zeroed, its keys destroyed, its hot working cache wiped."""
+        if self.prefix_cache is None:
+            return
+        dropped = self.prefix_cache.drop_caller(caller)
+        if self._hot is not None and self._hot[0] in dropped:
             self._hot = None
             self.settle()
 
@@ -278,7 +299,12 @@ class Runner:
             self.loaded.extend([output[-1]], len(fed) - 1, cache)
             if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:
                 snapshots[len(fed)] = self.loaded.state.snapshot(cache)
-        stored = self._store(request.scope, fed, cache, snapshots)
+        held = tuple(fed)  # one tuple for the hot working cache and the remembered forms
+        stored = self._store(request.scope, held, cache, snapshots)
+        forms = request.forms
+        if self.prefix_cache is not None and (forms.at or forms.reply is not None):
+            reply_end = () if forms.reply is None else ((len(held), forms.reply(detok.text)),)
+            self.prefix_cache.record_forms(request.scope, held, forms.at + reply_end)
         # Prompt tokens among those newly stored and still held.
         written = max(0, min(len(prompt), stored.start + stored.stored) - stored.start)
         return GenerationResult(prompt_tokens=len(prompt), cached_read_tokens=restored,

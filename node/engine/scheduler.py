@@ -14,13 +14,16 @@ import time
 import traceback
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from node.engine.runner import GenerationRequest, GenerationResult, Runner
 from node.log_privacy import Safe
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class QueueFullError(Exception):
@@ -147,6 +150,22 @@ class Scheduler:
         with self._cond:
             self._chores.append(work)
             self._cond.notify()
+
+    def ask(self, work: Callable[[], T]) -> Future[T]:
+        """Run `work` as a chore and hand back its result (or its exception): for reading what the worker owns
+        (the prefix index) without racing it."""
+        future: Future[T] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return  # the asker went away
+            try:
+                future.set_result(work())
+            except BaseException as exc:  # noqa: BLE001 - handed to the asker, who raises it
+                future.set_exception(exc)
+
+        self.chore(run)
+        return future
 
     def _withdraw(self, job: Job) -> None:
         with self._cond:

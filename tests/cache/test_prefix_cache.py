@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
+import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -161,3 +163,65 @@ def test_value_eviction_of_interior_snapshots_and_their_subtrees_never_touches_a
     cache.enforce_budget("bob")
     assert cache.cached_tokens(ALICE) == 0
     assert cache.arena.bytes_total <= bob_bytes - 1
+
+
+def test_resume_depth_is_the_acquired_length_without_a_lease_or_a_touch() -> None:
+    cache = make_cache()
+    tokens = list(range(40))
+    cache.store(ALICE, tokens, state_of(tokens), marker(tokens, [10, 25]))
+    probe = tokens[:30] + [99]
+    access = {node.end: node.last_access for node in cache._trees[ALICE].nodes()}
+    assert cache.resume_depth(ALICE, probe, anywhere=True) == 30
+    assert cache.resume_depth(ALICE, probe, anywhere=False) == 25
+    assert cache.resume_depth(ALICE, tokens[:24], anywhere=False) == 10
+    assert cache.resume_depth(BOB, probe, anywhere=True) == 0
+    assert {node.end: node.last_access for node in cache._trees[ALICE].nodes()} == access
+    assert all(node.refs == 0 for node in cache._trees[ALICE].nodes())
+    lease = cache.acquire(ALICE, probe, limit=100, anywhere=False)
+    assert lease.length == 25
+    cache.release(lease)
+
+
+FORM_A, FORM_B, FORM_C = b"a" * 32, b"b" * 32, b"c" * 32
+ROUTED_ALICE, ROUTED_BOB = Scope("r1/alice", "m"), Scope("r1/bob", "m")
+
+
+def test_warm_forms_are_those_still_resumable_at_or_beyond_their_position() -> None:
+    cache = make_cache(caller_tokens=30)
+    first = tuple(range(20))
+    store(cache, ROUTED_ALICE, list(first))
+    cache.record_forms(ROUTED_ALICE, first, [(8, FORM_A), (20, FORM_B)])
+    second = tuple(range(100, 112))
+    store(cache, ROUTED_BOB, list(second))
+    cache.record_forms(ROUTED_BOB, second, [(12, FORM_C)])
+    everyone = sorted(cache.warm_forms(lambda scope: True, anywhere=True), key=lambda pair: pair[1])
+    assert everyone == [(ROUTED_ALICE, FORM_A), (ROUTED_ALICE, FORM_B), (ROUTED_BOB, FORM_C)]
+    assert cache.warm_forms(lambda scope: scope.caller == "r1/bob", anywhere=True) == [(ROUTED_BOB, FORM_C)]
+    # Alice's [8, 20) goes (her budget is 30 tokens): the form at 8 stays warm, the one at 20 does not.
+    store(cache, ROUTED_ALICE, list(range(8)) + [50] * 20)
+    assert cache.cached_tokens(ROUTED_ALICE) == 28
+    assert cache.warm_forms(lambda scope: scope.caller == "r1/alice", anywhere=True) == [(ROUTED_ALICE, FORM_A)]
+    # Only snapshots resume a model that needs them: none was taken here.
+    assert cache.warm_forms(lambda scope: True, anywhere=False) == []
+
+
+def test_a_scope_remembers_its_latest_forms_and_forgets_them_with_its_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("cache.prefix_cache.MAX_FORMS", 3)
+    cache = make_cache()
+    tokens = tuple(range(10))
+    store(cache, ROUTED_ALICE, list(tokens))
+    cache.record_forms(ROUTED_ALICE, tokens, [(1, bytes([i]) * 32) for i in range(5)])
+    cache.record_forms(ROUTED_ALICE, tokens, [(2, bytes([2]) * 32)])  # again: now the newest
+    assert sorted(form[0] for _, form in cache.warm_forms(lambda scope: True, anywhere=True)) == [2, 3, 4]
+    cache.record_forms(ROUTED_ALICE, tokens, [(3, bytes([5]) * 32)])
+    assert sorted(form[0] for _, form in cache.warm_forms(lambda scope: True, anywhere=True)) == [2, 4, 5]
+    store(cache, ROUTED_BOB, [1, 2])
+    cache.record_forms(ROUTED_BOB, (1, 2), [(2, FORM_C)])
+    store(cache, ALICE, [1, 2])
+    cache.record_forms(ALICE, (1, 2), [(2, FORM_A)])
+    assert cache.drop_caller("r") == []  # "r1/..." are r1's callers, not r's
+    assert [scope.caller for scope in cache.drop_caller("r1")] == ["r1/alice", "r1/bob"]
+    assert cache.warm_forms(lambda scope: True, anywhere=True) == [(ALICE, FORM_A)]
+    assert cache.cached_tokens(ROUTED_ALICE) == cache.cached_tokens(ROUTED_BOB) == 0
+    cache.expire(lambda caller: 0.0, now=time.monotonic() + 1)
+    assert cache.warm_forms(lambda scope: True, anywhere=True) == []

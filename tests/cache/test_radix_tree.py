@@ -65,3 +65,16 @@ def test_a_split_node_inherits_the_locks_of_the_node_it_cut() -> None:
     assert a.parent is not None and a.parent.refs == 1
     tree.unlock(a)
     assert a.parent.refs == 0 and a.refs == 0
+
+
+def test_peek_matches_as_match_does_without_touching() -> None:
+    tree, _ = make_tree()
+    tree.insert([1, 2, 3, 4], lambda s, e: "a")
+    tree.insert([1, 2, 7], lambda s, e: "b")
+    before = {node.handle: node.last_access for node in tree.nodes()}
+    peeked = tree.peek([1, 2, 3, 9])
+    assert peeked.length == 3 and [n.handle for n in peeked.nodes] == ["a[:2]", "a[2:]"]
+    assert {node.handle: node.last_access for node in tree.nodes()} == before
+    matched = tree.match([1, 2, 3, 9])
+    assert (matched.length, matched.nodes) == (peeked.length, peeked.nodes)
+    assert [node.last_access for node in matched.nodes] == [5, 5]  # the clock's next tick, after 4 of them

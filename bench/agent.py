@@ -27,17 +27,11 @@ from typing import Any
 import aiohttp
 import yaml
 
-from node.bench import (
-    REQUEST_TIMEOUT_S,
-    SEED,
-    BenchError,
-    Client,
-    LocalNode,
-    PromptSource,
-    api_base,
-    progress,
-    write_report,
-)
+from bench.chat import chat_ids, load_tokenizer
+from bench.client import BenchError, Client, Messages, Streamed, add_server_arguments, api_base, open_session
+from bench.local_node import LocalNode, model_dir
+from bench.prompts import SEED, PromptSource
+from bench.report import columns, failed, progress, write_report
 
 MAX_TOKENS = 24
 EDIT_FRACTION = 0.3
@@ -45,8 +39,6 @@ TOOLS = 6
 TOOL_RESULT_WORDS = (70, 150)  # about 100-200 tokens of the node's pseudo-English tokenizer
 WARMUP_TOKENS = 128
 MIB = 1024**2
-
-Messages = list[dict[str, str]]
 
 CACHED_BYTES = "tenzro_cached_bytes"
 SNAPSHOT_BYTES = "tenzro_cached_snapshot_bytes"
@@ -59,6 +51,7 @@ class AgentWorkload:
     """
 
     def __init__(self, seed: int, episodes: int, steps: int) -> None:
+        # The one engine module the bench imports (tests/test_layering.py says why): no command prints it.
         from node.engine.synthetic import training_corpus
 
         rng = random.Random(seed)
@@ -210,46 +203,21 @@ class Settings:
     modes: tuple[str, ...]
 
 
-class AgentClient(Client):
-    """Streamed chat completions, and the node's Prometheus counters when it is a local node."""
-
-    def __init__(self, session: aiohttp.ClientSession, base: str, api_key: str | None,
-                 metrics_url: str | None, operator_key: str | None = None) -> None:
-        super().__init__(session, base, api_key)
-        self.metrics_url = metrics_url
-        self.operator_headers = {"Authorization": f"Bearer {operator_key}"} if operator_key else {}
-
-    async def chat(self, messages: Messages) -> Reply:
-        """TTFT: to the first event carrying content or a finish reason (the role chunk comes before any
-        compute)."""
-        body = {"model": self.model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        streamed = await self.stream("/chat/completions", body)
-        usage = streamed.usage
-        if "prompt_tokens" not in usage:
-            raise BenchError(f"POST {self.base}/chat/completions streamed no usage "
-                             "(the server must honour stream_options.include_usage)")
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        return Reply(streamed.text, streamed.ttft_s, int(usage["prompt_tokens"]), int(cached),
-                     usage.get("cached_write_tokens"), int(usage.get("completion_tokens", 0)),
-                     usage.get("matched_tokens"), usage.get("server_ttft_ms"))
-
-    async def scrape(self) -> dict[str, float]:
-        """Prometheus text as {series: value}; empty when measuring --url."""
-        if self.metrics_url is None:
-            return {}
-        async with self.session.get(self.metrics_url, headers=self.operator_headers) as response:
-            if response.status != 200:
-                raise BenchError(f"GET {self.metrics_url}: {response.status}")
-            text = await response.text()
-        series = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-        return {name: float(value) for name, value in series}
+def _reply(streamed: Streamed, base: str) -> Reply:
+    usage = streamed.usage
+    if "prompt_tokens" not in usage:
+        raise BenchError(f"POST {base}/chat/completions streamed no usage "
+                         "(the server must honour stream_options.include_usage)")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Reply(streamed.text, streamed.ttft_s, int(usage["prompt_tokens"]), int(cached),
+                 usage.get("cached_write_tokens"), int(usage.get("completion_tokens", 0)),
+                 usage.get("matched_tokens"), usage.get("server_ttft_ms"))
 
 
 Renderer = Callable[[Messages], list[int]]
 
 
-async def _drive(client: AgentClient, workload: AgentWorkload, mode: Mode,
+async def _drive(client: Client, workload: AgentWorkload, mode: Mode,
                  primer: tuple[Renderer, Sequence[Sample]] | None = None) -> list[Sample]:
     """Run the workload once; with `primer` (the oracle), prime each request at the `ours` run's matched
     tokens first."""
@@ -266,7 +234,7 @@ async def _drive(client: AgentClient, workload: AgentWorkload, mode: Mode,
                                      f"{ours[len(samples)].prompt_tokens}: the oracle cannot be primed")
                 if target:
                     await client.complete(ids[:target])  # untimed: leaves a snapshot at exactly `target`
-            reply = await client.chat(messages)
+            reply = _reply(await client.chat(messages, MAX_TOKENS), client.base)
             samples.append(Sample(mode.name, episode, step, workload.edited(episode, step), reply.prompt_tokens,
                                   reply.cached_tokens, reply.ttft_s * 1000.0, reply.completion_tokens, reply.text,
                                   reply.server_ttft_ms, reply.matched_tokens, reply.written_tokens, target))
@@ -290,43 +258,36 @@ def _memory(samples: Sequence[Sample], baseline: dict[str, float], final: dict[s
     return SnapshotMemory(stored, cached, snapshots, cached / max(stored, 1), snapshots / max(stored, 1))
 
 
-async def _local_mode(session: aiohttp.ClientSession, args: argparse.Namespace, workdir: Path, mode: Mode,
-                      workload: AgentWorkload, primer: tuple[Renderer, Sequence[Sample]] | None = None
+async def _local_mode(session: aiohttp.ClientSession, args: argparse.Namespace, model: Path, workdir: Path,
+                      mode: Mode, workload: AgentWorkload, primer: tuple[Renderer, Sequence[Sample]] | None = None
                       ) -> tuple[str, list[Sample], SnapshotMemory]:
     """One mode on its own fresh node; returns (model id, samples, memory held at the end)."""
     workdir.mkdir()
-    node = LocalNode(workdir, args.model, args.threads, args.device, mode.flags)
+    node = LocalNode(workdir, str(model), args.threads, args.device, mode.flags)
     if mode.budget_bytes:  # read at start; `keys add` keeps the section
         node.config.write_text(yaml.safe_dump({"cache": {"node_bytes": mode.budget_bytes,
                                                          "caller_bytes": mode.budget_bytes}}))
     progress(f"bench agent: mode {mode.name}: starting a node for '{args.model}' {' '.join(mode.flags)}")
     try:
-        node.start()
-        await node.wait_healthy(session)
-        client = AgentClient(session, api_base(node.root), node.api_key, node.root + "/metrics",
-                             node.add_key("bench-operator", "operator"))  # for /metrics
-        client.model = await client.first_model()
-        await client.complete(PromptSource(SEED).prefix(WARMUP_TOKENS))  # untimed; shares no token with chats
-        baseline = await client.scrape()
-        samples = await _drive(client, workload, mode, primer)
-        memory = _memory(samples, baseline, await client.scrape())
-    except (BenchError, aiohttp.ClientError) as exc:
-        raise BenchError(f"mode {mode.name}: {exc}\nnode log:\n{node.log_tail()}") from exc
-    finally:
-        node.stop()
+        with node:
+            await node.wait_healthy(session)
+            operator_key = node.add_key("bench-operator", "operator")  # for /metrics
+            client = await node.client(session)
+            await client.complete(PromptSource(SEED).prefix(WARMUP_TOKENS))  # untimed; shares no token with chats
+            baseline = await client.metrics(operator_key)
+            samples = await _drive(client, workload, mode, primer)
+            memory = _memory(samples, baseline, await client.metrics(operator_key))
+    except BenchError as exc:
+        raise BenchError(f"mode {mode.name}: {exc}") from exc
     return client.model, samples, memory
 
 
-def _renderer(model: str) -> Renderer:
-    """The node's own chat rendering, run here on the model's tokenizer (after a node has built the model)."""
-    from transformers import AutoTokenizer
-
-    from node.config import tenzro_home
-    from node.engine.chat_template import render_chat
-    from node.engine.loader import resolve_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model, tenzro_home())[1])
-    return lambda messages: render_chat(tokenizer, messages).ids
+def _renderer(model: Path) -> Renderer:
+    """The chat's token ids as the node renders them, from the model's tokenizer here."""
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise BenchError(f"{model} has no tokenizer: the oracle cannot be primed")
+    return lambda messages: chat_ids(tokenizer, messages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,27 +299,23 @@ class Run:
 
 async def _run_local(args: argparse.Namespace, workload: AgentWorkload, workdir: Path) -> Run:
     modes = MODES + (budget_modes(args.budget_mib) if args.budget_mib > 0 else ())
+    model = model_dir(args.model, workdir / "models")  # every mode's node serves this one directory
     samples: list[Sample] = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as session:
-        model, ours, memory = await _local_mode(session, args, workdir / OURS.name, OURS, workload)
+    async with open_session() as session:
+        model_id, ours, memory = await _local_mode(session, args, model, workdir / OURS.name, OURS, workload)
         samples += ours
         for mode in modes[1:]:
-            primer = (_renderer(args.model), ours) if mode.primed else None
-            samples += (await _local_mode(session, args, workdir / mode.name, mode, workload, primer))[1]
-    settings = Settings(None, model, args.threads, args.device, args.episodes, args.steps, MAX_TOKENS,
+            primer = (_renderer(model), ours) if mode.primed else None
+            samples += (await _local_mode(session, args, model, workdir / mode.name, mode, workload, primer))[1]
+    settings = Settings(None, model_id, args.threads, args.device, args.episodes, args.steps, MAX_TOKENS,
                         EDIT_FRACTION, SEED, args.budget_mib, tuple(m.name for m in modes))
     return Run(settings, samples, memory)
 
 
 async def _run_url(args: argparse.Namespace, workload: AgentWorkload) -> Run:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as session:
-        client = AgentClient(session, api_base(args.url), args.api_key, None)
-        async with session.get(client.base + "/models", headers=client.headers) as response:
-            if response.status != 200:
-                raise BenchError(f"GET {client.base}/models: {response.status} {await response.text()}")
-            listed = [str(m.get("id")) for m in (await response.json()).get("data") or []]
-        if not listed:
-            raise BenchError(f"GET {client.base}/models lists no model")
+    async with open_session() as session:
+        client = Client(session, api_base(args.url), args.api_key)
+        listed = await client.models()
         client.model = args.model if args.model in listed else listed[0]
         progress(f"bench agent: mode url: model '{client.model}' at {client.base}")
         samples = await _drive(client, workload, Mode("url"))
@@ -413,9 +370,7 @@ def format_table(rows: Sequence[ModeRow], memory: SnapshotMemory | None) -> str:
     lines += [(r.mode, f"{100 * r.reused_fraction:.1f}%",
                "n/a" if r.of_oracle is None else f"{100 * r.of_oracle:.1f}%", str(r.prefilled_tokens),
                ms(r.ttft_p50_ms), ms(r.ttft_p90_ms), ms(r.server_ttft_p50_ms)) for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    text = "\n".join("  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True))
-                     for line in lines)
+    text = columns(lines)
     if memory is not None:
         text += (f"\nstate held at the end of 'ours': {memory.stored_tokens} tokens stored, "
                  f"{memory.cached_bytes_per_token:.0f} bytes/token in all, "
@@ -434,17 +389,30 @@ def run_agent_bench(args: argparse.Namespace) -> int:
         else:
             with tempfile.TemporaryDirectory(prefix="tenzro-bench-agent-") as workdir:
                 run = asyncio.run(_run_local(args, workload, Path(workdir)))
-    except (BenchError, aiohttp.ClientError, TimeoutError) as exc:
-        print(f"tenzro: error: {str(exc) or type(exc).__name__}", file=sys.stderr)
-        return 2
+    except BenchError as exc:
+        return failed(exc)
     rows = summarise(run.samples)
     mismatches = reply_mismatches(run.samples)
     print(format_table(rows, run.memory))
-    write_report(Path(args.out), {"settings": asdict(run.settings), "rows": [asdict(r) for r in rows],
-                                  "snapshot_memory": None if run.memory is None else asdict(run.memory),
-                                  "replies_identical": not mismatches, "samples": [asdict(s) for s in run.samples]})
+    write_report(Path(args.out), run.settings, rows, run.samples,
+                 snapshot_memory=None if run.memory is None else asdict(run.memory),
+                 replies_identical=not mismatches)
     if mismatches:
         print("tenzro: error: greedy replies differ between modes, so reuse changed the output: "
               + "; ".join(mismatches), file=sys.stderr)
         return 1
     return 0
+
+
+def add_agent_bench(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tenzro bench agent` under the `bench` subcommands."""
+    agent = bench.add_parser("agent", help="an agent workload: reused tokens and TTFT per reuse policy")
+    add_server_arguments(agent, "hybrid", "local: a model directory or a `models init --arch` name (built at default "
+                         "size); with --url, measured as the one mode")
+    agent.add_argument("--episodes", type=int, default=3)
+    agent.add_argument("--steps", type=int, default=10)
+    agent.add_argument("--budget-mib", type=int, default=0,
+                       help="also compare eviction policies (value vs lru) under this node budget; 48 shows "
+                            "the difference on the default hybrid models")
+    agent.add_argument("--out", default="bench-results/agent.json")
+    agent.set_defaults(func=run_agent_bench)

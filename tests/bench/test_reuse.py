@@ -1,4 +1,4 @@
-"""`tenzro bench reuse` end to end against a local small-model node, and its URL handling."""
+"""`tenzro bench reuse` end to end against a local small-model node."""
 
 from __future__ import annotations
 
@@ -8,19 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from node.bench import api_base
-
 TENZRO = str(Path(sys.executable).parent / "tenzro")
 LENGTHS = (64, 128)
 NEW_TOKENS = 8
 RUNS = 2
-
-
-def test_api_base_accepts_root_and_v1_urls() -> None:
-    assert api_base("http://h:8000") == "http://h:8000/v1"
-    assert api_base("http://h:8000/") == "http://h:8000/v1"
-    assert api_base("http://h:8000/v1") == "http://h:8000/v1"
-    assert api_base("http://h:8000/v1/") == "http://h:8000/v1"
 
 
 def test_bench_reuse_reports_exact_prefix_reuse(small_model_dir: Path, tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from node.bench_scenarios import ChatMessages, Sent, divergence_recompute, shared_messages
+from bench.chat import ChatMessages
+from bench.scenarios import Sent, divergence_recompute, shared_messages
 from node.cli import build_parser
 
 TENZRO = str(Path(sys.executable).parent / "tenzro")

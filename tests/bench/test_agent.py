@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from node.bench_agent import MAX_TOKENS, AgentWorkload, Sample, reply_mismatches, summarise
+from bench.agent import MAX_TOKENS, AgentWorkload, Sample, reply_mismatches, summarise
 from tests.node.conftest import start_node, stop_node
 
 TENZRO = str(Path(sys.executable).parent / "tenzro")

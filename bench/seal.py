@@ -13,16 +13,16 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
-from node.bench import REQUEST_TIMEOUT_S, BenchError, Client, LocalNode, PromptSource, api_base, progress, write_report
+from bench.client import BenchError, Client, open_session
+from bench.local_node import LocalNode
+from bench.prompts import PromptSource
+from bench.report import failed, progress, write_json
 
 GIB = 1024**3
 NEW_TOKENS = 32
@@ -106,33 +106,26 @@ def cipher_rates(total_mib: int, runs: int) -> list[CipherRow]:
     return [CipherRow(op, rates[(op, 1)], rates[(op, cores)], cores) for op in ("seal", "open")]
 
 
-async def _json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-    async with session.get(url) as response:
-        return dict(await response.json())
-
-
-async def _sealed(session: aiohttp.ClientSession, root: str, timeout_s: float = 10.0) -> None:
+async def _sealed(client: Client, timeout_s: float = 10.0) -> None:
     """Wait until the node holds no stored plaintext (a seal a waiting request interrupted finishes when idle)."""
     deadline = time.monotonic() + timeout_s
-    while (await _json(session, root + "/v1/node"))["sealing"]["plaintext_bytes"] > 0:
+    while (await client.node_info())["sealing"]["plaintext_bytes"] > 0:
         if time.monotonic() > deadline:
             raise BenchError(f"the node still held plaintext state {timeout_s:.0f} s after the last reply")
         await asyncio.sleep(0.05)
 
 
-async def _ttfts(node: LocalNode, key_b: str, lengths: tuple[int, ...], runs: int, open_gib_s: float,
+async def _ttfts(node: LocalNode, lengths: tuple[int, ...], runs: int, open_gib_s: float,
                  seed: int) -> tuple[list[TtftRow], list[dict[str, Any]]]:
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with open_session() as session:
         await node.wait_healthy(session)
-        a = Client(session, api_base(node.root), node.api_key)
-        b = Client(session, api_base(node.root), key_b)
-        a.model = b.model = await a.first_model()
+        a = await node.client(session)
+        b = await node.client(session, node.add_key("other"), a.model)
         source = PromptSource(seed)
-        before = (await _json(session, node.root + "/v1/node"))["sealing"]["bytes"]
+        before = (await a.node_info())["sealing"]["bytes"]
         stored = source.prefix(256)
         await a.complete(stored)  # untimed: warms the model, and measures the bytes one token's state takes
-        per_token = ((await _json(session, node.root + "/v1/node"))["sealing"]["bytes"] - before) / (len(stored) + 1)
+        per_token = ((await a.node_info())["sealing"]["bytes"] - before) / (len(stored) + 1)
         samples: list[dict[str, Any]] = []
         rows = []
         for length in lengths:
@@ -142,7 +135,7 @@ async def _ttfts(node: LocalNode, key_b: str, lengths: tuple[int, ...], runs: in
                 prefix = source.prefix(length - NEW_TOKENS)
                 miss = await a.complete(prefix + source.suffix(NEW_TOKENS))
                 await b.complete(source.prefix(64))  # another caller: A's state is sealed, off the buffers
-                await _sealed(session, node.root)
+                await _sealed(a)
                 sealed = await a.complete(prefix + source.suffix(NEW_TOKENS))
                 hot = await a.complete(prefix + source.suffix(NEW_TOKENS))
                 for kind, timing in (("miss", miss), ("sealed", sealed), ("hot", hot)):
@@ -190,22 +183,16 @@ def run_seal_bench(args: argparse.Namespace) -> int:
         progress("bench seal: cipher rates")
         ciphers = cipher_rates(args.cipher_mib, args.runs)
         open_rate = next(c for c in ciphers if c.operation == "open").all_cores_gib_s
-        with tempfile.TemporaryDirectory(prefix="tenzro-bench-") as workdir:
-            node = LocalNode(Path(workdir), args.model, args.threads, args.device)
-            try:
-                node.start()
-                key_b = node.add_key("other")
-                rows, samples = asyncio.run(_ttfts(node, key_b, lengths, args.runs, open_rate, args.seed))
-            finally:
-                node.stop()
-    except (BenchError, aiohttp.ClientError, TimeoutError) as exc:
-        print(f"tenzro: error: {str(exc) or type(exc).__name__}", file=sys.stderr)
-        return 2
+        with (tempfile.TemporaryDirectory(prefix="tenzro-bench-") as workdir,
+              LocalNode(Path(workdir), args.model, args.threads, args.device) as node):
+            rows, samples = asyncio.run(_ttfts(node, lengths, args.runs, open_rate, args.seed))
+    except BenchError as exc:
+        return failed(exc)
     print(format_report(ciphers, rows))
     checks = goals(ciphers, rows)
     for text, met in checks:
         print(f"  [{'met' if met else 'NOT MET'}] {text}")
-    write_report(Path(args.out), {
+    write_json(Path(args.out), {
         "ciphers": [{**asdict(c), "speedup": c.speedup} for c in ciphers],
         "rows": [{**asdict(r), "miss_over_sealed": r.miss_over_sealed,
                   "sealed_extra_over_open": r.sealed_extra_over_open} for r in rows],
@@ -213,7 +200,8 @@ def run_seal_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_seal_bench(bench: Any) -> None:
+def add_seal_bench(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tenzro bench seal` under the `bench` subcommands."""
     seal = bench.add_parser("seal", help="seal and open GiB/s; time to first token of hot, sealed and missed "
                             "prompts")
     seal.add_argument("--model", default="default", help="model dir or 'default' for the local node")

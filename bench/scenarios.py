@@ -17,30 +17,19 @@ import argparse
 import asyncio
 import random
 import statistics
-import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import aiohttp
-
+from bench.chat import ChatMessages, load_tokenizer
+from bench.client import BenchError, Client, Messages, Timing, add_server_arguments, open_session
+from bench.local_node import LocalNode, model_dir
+from bench.prompts import SEED, PromptSource
+from bench.report import Target, columns, failed, progress, write_report
 from cache.radix_tree import common_prefix_length
-from node.bench import (
-    REQUEST_TIMEOUT_S,
-    SEED,
-    BenchError,
-    Client,
-    LocalNode,
-    PromptSource,
-    Timing,
-    api_base,
-    progress,
-    write_report,
-)
-from node.config import add_key
-from node.engine.chat_template import render_chat
 
 HISTORY = 1460
 """(a): the cached prompt; the extended one is HISTORY + EXTENSION, the history of (b)."""
@@ -48,60 +37,9 @@ EXTENSION = 40
 EDIT_FROM_END = 200
 SYSTEM = 1200
 TAIL = 200
-MIN_WORDS = 1000
-"""Single-token words the chat form needs from the tokenizer, so that messages have exact token counts."""
 
-Messages = list[dict[str, str]]
 Prompt = list[int] | Messages
 """Token ids, sent to /v1/completions, or chat messages, sent to /v1/chat/completions."""
-
-
-class ChatMessages:
-    """Chat messages of exact token counts, and their token ids, from the served model's tokenizer.
-
-    A message's content is a run of words that are each one token with their leading space, so a message
-    of `n` tokens is its role's fixed overhead plus `n - overhead` words.
-    """
-
-    def __init__(self, tokenizer: Any, rng: random.Random) -> None:
-        self.tokenizer = tokenizer
-        self.rng = rng
-        decoded = tokenizer.batch_decode([[token] for token in range(len(tokenizer))])
-        candidates = [text for text in decoded if text[:1] == " " and text[1:].isascii() and text[1:].isalpha()]
-        encoded = tokenizer(candidates, add_special_tokens=False)["input_ids"] if candidates else []
-        self.words = [text for text, ids in zip(candidates, encoded, strict=True) if len(ids) == 1]
-        if len(self.words) < MIN_WORDS:
-            raise BenchError(f"the chat form needs a tokenizer with at least {MIN_WORDS} words that are one "
-                             f"token each with their leading space; this one has {len(self.words)}")
-        empty = [{"role": "user", "content": ""}]
-        self.generation_prompt = len(self.ids(empty)) - len(self.history_ids(empty))
-
-    def ids(self, messages: Messages) -> list[int]:
-        """What the node computes: the rendered messages and the generation prompt."""
-        return render_chat(self.tokenizer, messages).ids
-
-    def history_ids(self, messages: Messages) -> list[int]:
-        """The rendered messages alone, without the generation prompt."""
-        if not messages:
-            return []
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
-        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
-
-    def message(self, role: str, tokens: int) -> dict[str, str]:
-        overhead = len(self.history_ids([{"role": role, "content": ""}]))
-        if tokens <= overhead:
-            raise BenchError(f"a {role} message of {tokens} tokens leaves no room for content")
-        return {"role": role, "content": "".join(self.rng.choice(self.words) for _ in range(tokens - overhead))}
-
-    def edited(self, message: dict[str, str]) -> dict[str, str]:
-        """The same message with its middle word replaced by another."""
-        words = message["content"].split(" ")[1:]
-        middle = len(words) // 2
-        other = words[middle]
-        while other == words[middle]:
-            other = self.rng.choice(self.words)[1:]
-        words[middle] = other
-        return {**message, "content": "".join(" " + word for word in words)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,14 +119,10 @@ class ScenarioRun:
     async def prime(self, prompt: Prompt) -> tuple[int, ...]:
         """Send `prompt` untimed, so that the node holds its state; returns the generated token ids."""
         ids, messages = self._request(prompt)
-        client = self.reused
-        body: dict[str, Any] = {"model": client.model, "max_tokens": 1, "temperature": 0, "return_token_ids": True}
+        body: dict[str, Any] = {"model": self.reused.model, "max_tokens": 1, "temperature": 0,
+                                "return_token_ids": True}
         body.update({"prompt": ids} if messages is None else {"messages": messages})
-        path = "/completions" if messages is None else "/chat/completions"
-        async with client.session.post(client.base + path, json=body, headers=client.headers) as response:
-            if response.status != 200:
-                raise BenchError(f"POST {client.base}{path} answered {response.status}: {await response.text()}")
-            answer = await response.json()
+        answer = await self.reused.post("/completions" if messages is None else "/chat/completions", body)
         rendered = answer.get("prompt_token_ids")
         if rendered is not None and rendered != ids:
             raise BenchError("the server's prompt tokens differ from the bench's rendering of the same messages: "
@@ -199,7 +133,7 @@ class ScenarioRun:
 
     @staticmethod
     async def _timed(client: Client, ids: list[int], messages: Messages | None) -> Timing:
-        timing = await (client.complete(ids) if messages is None else stream_chat(client, messages))
+        timing = await client.complete(ids) if messages is None else (await client.chat(messages)).timing()
         if timing.prompt_tokens != len(ids) or timing.cached_tokens is None:
             raise BenchError(f"the server reported prompt_tokens={timing.prompt_tokens} (expected {len(ids)}) and "
                              f"cached_tokens={timing.cached_tokens}: token-exact scenarios need both")
@@ -233,13 +167,6 @@ class ScenarioRun:
         progress(f"bench: {self.form} {scenario} run {self.run + 1}: recomputed {sample.recomputed} of "
                   f"{sample.prompt_tokens} (ideal {ideal}); TTFT {sample.reused_ttft_ms:.1f} ms reused, "
                   f"{sample.cold_ttft_ms:.1f} ms cold")
-
-
-async def stream_chat(client: Client, messages: Messages) -> Timing:
-    """TTFT and usage of a one-token streamed chat completion."""
-    body = {"model": client.model, "messages": messages, "max_tokens": 1, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    return (await client.stream("/chat/completions", body)).timing()
 
 
 async def text_extended(s: ScenarioRun) -> None:
@@ -310,12 +237,7 @@ DESCRIPTIONS = {
 
 
 @dataclass(frozen=True, slots=True)
-class Settings:
-    url: str
-    model: str
-    local: bool
-    threads: int | None
-    device: str | None
+class Settings(Target):
     snapshot_interval: int | None
     """The local node's --snapshot-interval; None when measuring --url."""
     runs: int
@@ -376,43 +298,20 @@ def format_table(rows: list[Row]) -> str:
                _span(r.divergence), _span(r.limit), {True: "yes", False: "NO", None: "-"}[r.within],
                _span(r.no_reuse_recomputed), f"{r.cold_ttft_ms:.1f}", f"{r.reused_ttft_ms:.1f}", f"{r.ratio:.3f}")
               for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    return "\n".join("  ".join(cell.ljust(width) if i < 3 else cell.rjust(width)
-                               for i, (cell, width) in enumerate(zip(line, widths, strict=True))).rstrip()
-                     for line in lines)
-
-
-def _chat_tokenizer(model: str) -> Any | None:
-    """The tokenizer of `--model` when it is here (an architecture name is built on first use), else None."""
-    from transformers import AutoTokenizer
-
-    from node.config import tenzro_home
-    from node.engine.loader import resolve_model_dir
-
-    _, path = resolve_model_dir(model, tenzro_home())
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        return None
-    return AutoTokenizer.from_pretrained(path)
-
-
-async def _client(session: aiohttp.ClientSession, base: str, api_key: str | None, model: str | None) -> Client:
-    client = Client(session, base, api_key)
-    client.model = model or await client.first_model()
-    return client
+    return columns(lines, left=3)
 
 
 async def _bench(args: argparse.Namespace, tokenizer: Any | None,
                  nodes: tuple[LocalNode, LocalNode] | None) -> tuple[Settings, list[Sample]]:
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with open_session() as session:
         if nodes is None:
-            main = await _client(session, api_base(args.url), args.api_key, None)
+            main = await Client.connect(session, args.url, args.api_key)
             cold = None
         else:
             progress(f"bench: starting a reusing and a --no-reuse node for model '{args.model}'")
             await asyncio.gather(*(node.wait_healthy(session) for node in nodes))
-            main = await _client(session, api_base(nodes[0].root), nodes[0].api_key, None)
-            cold = await _client(session, api_base(nodes[1].root), nodes[1].api_key, main.model)
+            main = await nodes[0].client(session)
+            cold = await nodes[1].client(session, model=main.model)
         source = PromptSource(SEED)
         chat = ChatMessages(tokenizer, random.Random(SEED)) if tokenizer is not None else None
         if chat is None:
@@ -432,31 +331,37 @@ async def _bench(args: argparse.Namespace, tokenizer: Any | None,
                     continue
                 reused = main
                 if nodes is not None:  # a caller of its own: a scope no earlier scenario or run touched
-                    key = add_key(nodes[0].config, f"run{run}-{form}-{name}")
-                    reused = await _client(session, main.base, key, main.model)
+                    reused = Client(session, main.base, nodes[0].add_key(f"run{run}-{form}-{name}"), main.model)
                 await scenario(ScenarioRun(form, run, reused, cold, source, chat, args.snapshot_interval, samples))
         return settings, samples
 
 
+def _url_tokenizer(model: str, workdir: Path) -> Any | None:
+    """The tokenizer that renders the chat form for a server measured by URL, when `--model` names a model
+    here (a directory or an architecture, built into `workdir`); else None."""
+    try:
+        return load_tokenizer(model_dir(model, workdir))
+    except BenchError:
+        return None
+
+
 def _run(args: argparse.Namespace) -> tuple[Settings, list[Sample]]:
-    tokenizer = _chat_tokenizer(args.model)  # builds a named architecture once, before the nodes look for it
-    if args.url:
-        return asyncio.run(_bench(args, tokenizer, None))
-    if tokenizer is None:
-        raise BenchError(f"--model {args.model!r} is neither a model directory nor an architecture name")
     with tempfile.TemporaryDirectory(prefix="tenzro-scenarios-") as workdir:
+        if args.url:
+            return asyncio.run(_bench(args, _url_tokenizer(args.model, Path(workdir)), None))
+        model = model_dir(args.model, Path(workdir))  # built once, before the nodes look for it
+        tokenizer = load_tokenizer(model)
+        if tokenizer is None:
+            raise BenchError(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json)")
         nodes = []
         for name, extra in (("reuse", ("--snapshot-interval", str(args.snapshot_interval))), ("cold", ("--no-reuse",))):
             directory = Path(workdir) / name
             directory.mkdir()
-            nodes.append(LocalNode(directory, args.model, args.threads, args.device, extra=extra))
-        try:
+            nodes.append(LocalNode(directory, str(model), args.threads, args.device, extra=extra))
+        with ExitStack() as running:
             for node in nodes:
-                node.start()
+                running.enter_context(node)
             return asyncio.run(_bench(args, tokenizer, (nodes[0], nodes[1])))
-        finally:
-            for node in nodes:
-                node.stop()
 
 
 def run_scenarios_bench(args: argparse.Namespace) -> int:
@@ -464,11 +369,20 @@ def run_scenarios_bench(args: argparse.Namespace) -> int:
         if args.runs < 1 or args.threads < 1 or args.snapshot_interval < 0:
             raise BenchError("--runs and --threads must be at least 1, --snapshot-interval at least 0")
         settings, samples = _run(args)
-    except (BenchError, aiohttp.ClientError, TimeoutError) as exc:
-        print(f"tenzro: error: {str(exc) or type(exc).__name__}", file=sys.stderr)
-        return 2
+    except BenchError as exc:
+        return failed(exc)
     rows = summarise(samples)
     print(format_table(rows))
-    write_report(Path(args.out), {"settings": asdict(settings), "rows": [asdict(r) for r in rows],
-                                  "samples": [asdict(s) for s in samples]})
+    write_report(Path(args.out), settings, rows, samples)
     return 0
+
+
+def add_scenarios_bench(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tenzro bench scenarios` under the `bench` subcommands."""
+    scenarios = bench.add_parser("scenarios", help="token-exact recompute scenarios on a hybrid model")
+    add_server_arguments(scenarios, "granite-moe-hybrid", "local: a model directory or a `models init --arch` name "
+                         "(built at default size); with --url, the model whose tokenizer renders the chat form here")
+    scenarios.add_argument("--snapshot-interval", type=int, default=128)
+    scenarios.add_argument("--runs", type=int, default=3)
+    scenarios.add_argument("--out", default="bench-results/scenarios.json")
+    scenarios.set_defaults(func=run_scenarios_bench)

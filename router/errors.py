@@ -1,0 +1,62 @@
+"""Why the router refuses a request or a providers file, as domain errors; only `router/app.py` maps each kind of
+refusal to a status code and an OpenAI-shaped body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RouterConfigError(ValueError):
+    """The providers file is malformed; the message names the key to change."""
+
+
+class RouterError(Exception):
+    """A refusal: `message` says what to change, `param` names the request field or header at fault, `code` is a
+    stable machine-readable id."""
+
+    kind = "invalid_request_error"
+    """OpenAI's error `type`."""
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.default_code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(RouterError):
+    """The request itself is wrong: its body, a requirement header."""
+
+
+class Unauthenticated(RouterError):
+    default_code = "invalid_api_key"
+
+
+class ModelNotFound(RouterError):
+    kind = "not_found_error"
+    default_code = "model_not_found"
+
+
+class RequirementNotMet(RouterError):
+    """No provider that serves the model meets the caller's requirements; `param` names the requirement that
+    eliminated the last ones (`trust_tier`, `confidential_hardware`, `jurisdiction`, `max_price_wei.CLASS`)."""
+
+    default_code = "requirement_not_met"
+
+
+class NoProviderAvailable(RouterError):
+    """Every provider that serves the model is down: a retry after the next health poll may succeed."""
+
+    kind = "server_error"
+    default_code = "no_provider_available"
+
+
+class ProvidersFailed(RouterError):
+    """Every provider tried failed before answering (connection refused, timed out, broke off)."""
+
+    kind = "server_error"
+    default_code = "provider_failed"

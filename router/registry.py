@@ -1,0 +1,185 @@
+"""What the router knows of each provider, kept fresh by polling: up or down, offer (prices, jurisdiction, trust
+tier, evidence), load, latency and verified summaries per model.
+
+Every poll asks each provider for `GET /health` (with the router's key: the node then adds its queue's
+depth), `GET /v1/node` and, per model, `GET /v1/cache/summary`. A provider is up once its health and its
+node document have answered, and down from the first failure, a poll's or a forwarded request's, until a poll
+finds it answering again. A summary that cannot be fetched or verified leaves the provider up but cold.
+
+This is the router's only state, and all of it is a cache of what the nodes say (plus the latency this router
+measured), so routers can run side by side and be restarted at will.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from cache.summary import SummaryError
+from router.errors import ModelNotFound, NoProviderAvailable
+from router.node_info import NodeInfo, NodeInfoError, parse_node_info
+from router.providers import ProviderSpec, RouterSettings
+from router.selection import Candidate
+from router.summaries import VerifiedSummary, WarmView, verify_summary
+
+log = logging.getLogger(__name__)
+
+LATENCY_WEIGHT = 0.3
+SUMMARY_REFRESH_S = 1.0
+"""The most an answer's end waits for the serving node's new summary."""
+"""The weight of the newest measurement in the latency EWMA: about the last few requests count."""
+POLL_FAILURES = (aiohttp.ClientError, TimeoutError, OSError, ValueError)
+"""What a poll request can fail with: the network, a status or body that is not the node's (ValueError covers
+JSON that does not parse and documents that do not validate)."""
+
+
+class PollFailed(ValueError):
+    """A provider answered a poll with something other than 200 and JSON."""
+
+
+@dataclass(slots=True)
+class ProviderState:
+    spec: ProviderSpec
+    node: NodeInfo | None = None
+    up: bool = False
+    problem: str | None = "not polled yet"
+    """Why the provider is down; None while it is up."""
+    waiting: int = 0
+    """Requests waiting in the node's queue at the last poll."""
+    sent_since_poll: int = 0
+    """Requests this router sent there since: load the next poll will show, counted until it does."""
+    latency_s: float | None = None
+    summaries: dict[str, VerifiedSummary] = field(default_factory=dict)
+
+
+class Registry:
+    def __init__(self, providers: Sequence[ProviderSpec], session: aiohttp.ClientSession,
+                 settings: RouterSettings) -> None:
+        self._states = {provider.name: ProviderState(provider) for provider in providers}
+        self._index = {provider.name: index for index, provider in enumerate(providers)}
+        """Each provider's place in the file: a number, which a log line keeps when the node's privacy filter
+        withholds the name."""
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=settings.connect_timeout_s)
+        self._interval_s = settings.poll_interval_s
+        self._refreshing: dict[str, asyncio.Task[None]] = {}
+
+    def state(self, name: str) -> ProviderState:
+        return self._states[name]
+
+    def models(self) -> list[str]:
+        return sorted({model for state in self._states.values() for model in state.spec.models})
+
+    async def _get_json(self, spec: ProviderSpec, path: str, keyed: bool) -> Any:
+        headers = {"Authorization": f"Bearer {spec.api_key}"} if keyed else {}
+        async with self._session.get(spec.url + path, headers=headers, timeout=self._timeout) as response:
+            if response.status != 200:
+                raise PollFailed(f"{path.partition('?')[0]} answered {response.status}")
+            return await response.json(content_type=None)
+
+    async def _summary(self, spec: ProviderSpec, node: NodeInfo, model: str) -> VerifiedSummary | None:
+        try:
+            doc = await self._get_json(spec, f"/v1/cache/summary?model={quote(model, safe='')}", keyed=True)
+            return verify_summary(doc, node, model)
+        except (*POLL_FAILURES, SummaryError) as exc:
+            log.debug("no summary from provider %s (providers[%d]): %s", spec.name, self._index[spec.name],
+                      type(exc).__name__)
+            return None
+
+    async def poll_provider(self, state: ProviderState) -> None:
+        """Ask one provider how it is; mark it up with what it said, or down with why not."""
+        spec = state.spec
+        try:
+            health = await self._get_json(spec, "/health", keyed=True)
+            node = parse_node_info(await self._get_json(spec, "/v1/node", keyed=False), spec.declared)
+            if not isinstance(health, dict) or health.get("status") != "ok":
+                raise PollFailed("/health does not say ok")
+            waiting = health.get("waiting", 0)
+            if type(waiting) is not int or waiting < 0:
+                raise PollFailed("/health's 'waiting' is not a count")
+        except (PollFailed, NodeInfoError) as exc:
+            self.mark_down(spec.name, str(exc))
+            return
+        except POLL_FAILURES as exc:
+            self.mark_down(spec.name, f"poll failed: {type(exc).__name__}")
+            return
+        found = await asyncio.gather(*(self._summary(spec, node, model) for model in spec.models))
+        if not state.up:
+            log.info("provider %s (providers[%d]) is up", spec.name, self._index[spec.name])
+        state.node, state.up, state.problem = node, True, None
+        state.waiting, state.sent_since_poll = waiting, 0
+        state.summaries = {model: summary for model, summary in zip(spec.models, found, strict=True)
+                           if summary is not None}
+
+    async def poll(self) -> None:
+        await asyncio.gather(*(self.poll_provider(state) for state in self._states.values()))
+
+    async def run(self) -> None:
+        """Poll every provider every `poll_interval_s`, until cancelled."""
+        while True:
+            await asyncio.sleep(self._interval_s)
+            await self.poll()
+
+    def refresh(self, name: str) -> None:
+        """Poll one provider now, in the background (once at a time): what it said last is out of date."""
+        if name in self._refreshing:
+            return
+        task = asyncio.create_task(self.poll_provider(self._states[name]))
+        self._refreshing[name] = task
+        task.add_done_callback(lambda _: self._refreshing.pop(name, None))
+
+    async def refresh_summary(self, name: str, model: str) -> None:
+        """Fetch one provider's summary of `model` now and wait for it, at most `SUMMARY_REFRESH_S`: it has just
+        stored a caller's state. A summary that does not come keeps the last one."""
+        state = self._states[name]
+        if state.node is None:
+            return
+        try:
+            summary = await asyncio.wait_for(self._summary(state.spec, state.node, model), SUMMARY_REFRESH_S)
+        except TimeoutError:
+            return
+        if summary is not None:
+            state.summaries[model] = summary
+
+    async def close(self) -> None:
+        tasks = list(self._refreshing.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def mark_down(self, name: str, problem: str) -> None:
+        """Stop sending to a provider until a poll finds it answering. `problem` names a status or an exception
+        type, never request content."""
+        state = self._states[name]
+        if state.up or state.problem != problem:
+            log.warning("provider %s (providers[%d]) is down: %s", name, self._index[name], problem)
+        state.up, state.problem, state.summaries = False, problem, {}
+
+    def sent(self, name: str) -> None:
+        self._states[name].sent_since_poll += 1
+
+    def observe_latency(self, name: str, seconds: float) -> None:
+        state = self._states[name]
+        state.latency_s = seconds if state.latency_s is None else (
+            LATENCY_WEIGHT * seconds + (1 - LATENCY_WEIGHT) * state.latency_s)
+
+    def candidates(self, model: str, caller: str) -> list[Candidate]:
+        """The providers of `model` that are up, as selection sees them for `caller`; raises ModelNotFound when
+        none serves the model and NoProviderAvailable when all that do are down."""
+        serving = [state for state in self._states.values() if model in state.spec.models]
+        if not serving:
+            raise ModelNotFound(f"no provider serves the model {model!r}; GET /v1/models lists the models",
+                                param="model")
+        up = [(state, state.node) for state in serving if state.up and state.node is not None]
+        if not up:
+            raise NoProviderAvailable(f"every provider of the model {model!r} is down; retry in a few seconds")
+        return [Candidate(state.spec.name, node.offer, node.trust_tier, state.waiting + state.sent_since_poll,
+                          state.latency_s, WarmView(state.summaries[model], state.spec.api_key, caller)
+                          if model in state.summaries else None)
+                for state, node in up]
