@@ -10,8 +10,8 @@ Pure: the candidates come in as values (what the registry last heard from each n
 
        price(p) = 3 * input_price(p) + output_price(p)       wei for a reference request of 3 prompt tokens per
                                                             reply token, floored at 1 wei
-       wait(p)  = latency(p) * (1 + load(p))                 the time to first byte the router measured (EWMA),
-                                                            once for each request ahead of ours; floored at 50 ms
+       wait(p)  = max(latency(p), 50 ms) * (1 + load(p))     the time to first byte the router measured (EWMA),
+                                                            floored at 50 ms, once for each request ahead of ours
        base(p)  = sqrt(price(p) / min price * wait(p) / min wait)
 
    A candidate best in both scores 1.0; price and speed weigh the same, so one 44% pricier but no slower, or
@@ -118,8 +118,10 @@ def base_scores(candidates: Sequence[Candidate]) -> dict[str, float]:
     measured = [candidate.latency_s for candidate in candidates if candidate.latency_s is not None]
     typical = statistics.median(measured) if measured else UNMEASURED_LATENCY_S
     prices = {candidate.name: reference_price(candidate.offer) for candidate in candidates}
-    waits = {candidate.name: max(MIN_WAIT_S, (typical if candidate.latency_s is None else candidate.latency_s)
-                                 * (1 + candidate.load)) for candidate in candidates}
+    # The floor is on the latency, before the load multiplies it: floored after, a fast-answering node's queue
+    # would count for nothing until it was 50 ms deep.
+    waits = {candidate.name: max(MIN_WAIT_S, typical if candidate.latency_s is None else candidate.latency_s)
+             * (1 + candidate.load) for candidate in candidates}
     best_price, best_wait = min(prices.values()), min(waits.values())
     return {name: math.sqrt(prices[name] / best_price * (waits[name] / best_wait)) for name in prices}
 

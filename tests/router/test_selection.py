@@ -227,3 +227,10 @@ def test_round_robin_turns_through_the_eligible_providers_only() -> None:
     candidates = [candidate(name, latency_s=0.1) for name in ("c", "a", "b")]
     assert [rotate(candidates, NO_REQUIREMENTS, "standard", turn).order for turn in range(4)] == [
         ("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b"), ("a", "b", "c")]
+
+
+def test_a_fast_answering_node_s_queue_still_counts() -> None:
+    """A stream's first byte comes before its job is queued, so measured latencies are tiny: the floor applies to
+    the latency, and the queue multiplies it (floored after, ten queued requests counted for nothing)."""
+    scores = base_scores([candidate("idle", latency_s=0.002), candidate("busy", load=10, latency_s=0.002)])
+    assert scores["idle"] == 1.0 and scores["busy"] == pytest.approx(math.sqrt(11))
