@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.metering.test_imports import non_stdlib
+
 ROOT = Path(__file__).resolve().parents[2]
 ATTESTATION_FILES = sorted((ROOT / "attestation").glob("*.py"))
-
-
-def non_stdlib(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return names - set(sys.stdlib_module_names) - {"__future__"}
 
 
 @pytest.mark.parametrize("path", ATTESTATION_FILES, ids=lambda path: path.name)
