@@ -36,6 +36,7 @@ from node.log_privacy import install_privacy_filter
 from router.cli import add_router_commands
 
 if TYPE_CHECKING:
+    from node.identity import NodeIdentity
     from node.meter import Meter, MeteringPaths
 
 
@@ -64,6 +65,13 @@ def _metering_lines(meter: Meter, paths: MeteringPaths, created_prices: bool) ->
     return (f"Metering: records signed by node key {meter.signer.public_key_hex} (GET /v1/node)\n"
             f"  ledger segment {meter.ledger.path}\n"
             f"  prices from {paths.pricing_file}{created}; change them with 'tenzro provider pricing set'\n")
+
+
+def _attestation_line(identity: NodeIdentity) -> str:
+    evidence = identity.evidence
+    trust = "a TEE's report" if evidence.trusted else "untrusted: no TEE found"
+    return (f"Attestation: {evidence.evidence_type} evidence ({trust}) binds the node key; digest "
+            f"{identity.evidence_digest} (GET /v1/attestation?nonce=HEX for fresh evidence)\n")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -152,7 +160,8 @@ def _serve(args: argparse.Namespace) -> int:
         # handler_cancellation: a client that goes away cancels its handler, which stops its generation.
         web.run_app(app, host=args.host, port=args.port, access_log=None, handler_cancellation=True,
                     print=lambda _: print(
-            message + _metering_lines(app[METER], metering, created_prices), flush=True))
+            message + _metering_lines(app[METER], metering, created_prices) + _attestation_line(identity),
+            flush=True))
     except (LedgerError, PricingError, OSError) as exc:  # the meter's files, or the port, at startup
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
