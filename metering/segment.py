@@ -167,7 +167,7 @@ def read_records(path: str | os.PathLike[str]) -> tuple[SegmentHeader, list[Usag
     A torn final line is left out, as it never became a record; any other bad line is an error.
     """
     contents = read_segment(path)
-    header = _header_of(contents)
+    header = header_of(contents)
     records = []
     for line in contents.lines[1:]:
         try:
@@ -179,10 +179,10 @@ def read_records(path: str | os.PathLike[str]) -> tuple[SegmentHeader, list[Usag
 
 def read_header(path: str | os.PathLike[str]) -> SegmentHeader:
     """A segment's header, without checking its signature (that is `verify_segment`'s job)."""
-    return _header_of(read_segment(path))
+    return header_of(read_segment(path))
 
 
-def _header_of(contents: SegmentContents) -> SegmentHeader:
+def header_of(contents: SegmentContents) -> SegmentHeader:
     if not contents.lines:
         raise SegmentFormatError(f"{contents.path} has no complete header line")
     return parse_header(contents.lines[0], contents.path)

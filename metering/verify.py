@@ -29,8 +29,8 @@ from metering.segment import (
     SegmentContents,
     SegmentFormatError,
     SegmentHeader,
+    header_of,
     parse_header,
-    read_header,
     read_segment,
     segment_files,
 )
@@ -86,11 +86,16 @@ class VerifyReport:
     root_hash_hex: str  # Merkle root over the good records
     problem: Problem | None  # the first problem found
     tree_head_size: int | None  # size of the tree head checked, if one was given
-    evidence_digest: str | None  # what the verified header names; None when it did not verify
+    header: SegmentHeader | None  # the verified header (its key, boot and evidence); None when it did not verify
 
     @property
     def ok(self) -> bool:
         return self.problem is None
+
+    @property
+    def evidence_digest(self) -> str | None:
+        """What the verified header names; None when it did not verify."""
+        return None if self.header is None else self.header.evidence_digest
 
 
 def verify_segment(
@@ -99,20 +104,23 @@ def verify_segment(
     tree_head: TreeHead | Mapping[str, Any] | str | os.PathLike[str] | None = None,
 ) -> VerifyReport:
     """Verify a segment file; `tree_head` is a `TreeHead`, its JSON object, or a JSON file path."""
+    return _verify_contents(read_segment(path), public_key_hex, _as_tree_head(tree_head))
+
+
+def _verify_contents(contents: SegmentContents, public_key_hex: str, head: TreeHead | None) -> VerifyReport:
     key_id = key_id_for(public_key_from_hex(public_key_hex))
-    head = _as_tree_head(tree_head)
-    check = _SegmentCheck(read_segment(path), public_key_hex, key_id)
+    check = _SegmentCheck(contents, public_key_hex, key_id)
     problem = check.run()
     if problem is None and head is not None:
         problem = check.check_tree_head(head)
     return VerifyReport(
-        path=Path(path),
+        path=contents.path,
         node_key_id=key_id,
         good_records=len(check.tree),
         root_hash_hex=check.tree.root().hex(),
         problem=problem,
         tree_head_size=None if head is None else head.size,
-        evidence_digest=None if check.header is None else check.header.evidence_digest,
+        header=check.header,
     )
 
 
@@ -130,7 +138,8 @@ def verify_ledger(
     trusted = {public_key_from_hex(key) for key in trusted_keys}
     reports = []
     for segment in segment_files(path):
-        header = read_header(segment)
+        contents = read_segment(segment)  # once: the header names the key the whole segment is checked under
+        header = header_of(contents)
         if trusted and bytes.fromhex(header.public_key) not in trusted:
             known = ", ".join(sorted(key_id_for(key) for key in trusted))
             detail = f"segment is signed by key {header.node_key_id}, which is not a trusted key ({known})"
@@ -142,11 +151,11 @@ def verify_ledger(
                     root_hash_hex=MerkleTree().root().hex(),
                     problem=Problem("foreign-key", 1, None, None, detail),
                     tree_head_size=None,
-                    evidence_digest=None,
+                    header=None,
                 )
             )
         else:
-            reports.append(verify_segment(segment, header.public_key))
+            reports.append(_verify_contents(contents, header.public_key, None))
     return tuple(reports)
 
 

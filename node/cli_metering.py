@@ -210,7 +210,8 @@ def _evidence_documents(paths: list[Path]) -> dict[str, dict[str, object]]:
 def attest_segment(report: VerifyReport, documents: dict[str, dict[str, object]], roots: TrustRoots,
                    allow_none: bool) -> tuple[str, bool]:
     """Whether the evidence a verified segment names verifies and binds the key that signed the segment."""
-    header = read_header(report.path)
+    header = report.header
+    assert header is not None  # the segment verified
     document = documents.get(header.evidence_digest)
     if document is None:
         return (f"FAILED {report.path}: no evidence document with digest {header.evidence_digest} "
