@@ -29,6 +29,13 @@ def tenzro(*args: str) -> str:
     return done.stdout
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def model_dir(spec: str, workdir: Path) -> Path:
     """The directory of `--model`: an existing directory, else the `tenzro models init` architecture `spec`
     (`default`: the model `models init` builds without `--arch`) built into `workdir` at default size.
@@ -59,9 +66,7 @@ class LocalNode:
         self.workdir = workdir
         self.config = workdir / "node.yaml"
         self.log = workdir / "node.log"
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = int(sock.getsockname()[1])
+        self.port = free_port()
         self.root = f"http://127.0.0.1:{self.port}"
         self.api_key = ""
         self.process: subprocess.Popen[bytes] | None = None

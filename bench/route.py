@@ -16,7 +16,6 @@ import hashlib
 import itertools
 import random
 import secrets
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -29,7 +28,7 @@ import aiohttp
 import yaml
 
 from bench.client import BenchError, Client, Messages, open_session
-from bench.local_node import TENZRO, LocalNode, tenzro
+from bench.local_node import TENZRO, LocalNode, free_port, tenzro
 from bench.report import columns, failed, progress, write_json
 
 ROUTINGS = ("warm", "least-loaded", "round-robin")
@@ -84,9 +83,7 @@ class Router:
         }
         path = workdir / f"providers-{routing}.yaml"
         path.write_text(yaml.safe_dump(providers))
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = int(sock.getsockname()[1])
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / f"router-{routing}.log"
         with self.log.open("wb") as log:

@@ -6,28 +6,22 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 import yaml
 
+from bench.local_node import LocalNode, free_port
+
 TENZRO = str(Path(sys.executable).parent / "tenzro")
 CALLER_KEY = "tz-test-caller-key"
 REQUESTS = 24
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def healthy(url: str) -> dict[str, object] | None:
@@ -38,49 +32,24 @@ def healthy(url: str) -> dict[str, object] | None:
         return None
 
 
-def wait(condition: object, timeout_s: float, what: str) -> None:
+def wait(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
+        if condition():
             return
         time.sleep(0.2)
     raise AssertionError(f"{what} did not happen in {timeout_s} s")
 
 
-class LocalNode:
-    def __init__(self, tmp: Path, model: Path) -> None:
-        self.home, self.model, self.port = tmp, model, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, "TENZRO_HOME": str(tmp)}
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def key(self, name: str, role: str) -> str:
-        done = subprocess.run([TENZRO, "keys", "add", name, "--role", role, "--config", str(self.home / "node.yaml")],
-                              env=self.env, capture_output=True, text=True, check=True)
-        return done.stdout.strip().splitlines()[-1]
-
-    def start(self) -> None:
-        with (self.home / "node.log").open("ab") as log:
-            self.process = subprocess.Popen(
-                [TENZRO, "node", "serve", "--model", str(self.model), "--port", str(self.port), "--threads", "1",
-                 "--config", str(self.home / "node.yaml")], env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        wait(lambda: healthy(self.url) is not None, 120, f"node on port {self.port} answering")
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=30)
+def start(node: LocalNode) -> None:
+    node.start()
+    wait(lambda: healthy(node.root) is not None, 120, f"node on port {node.port} answering")
 
 
 def records(node: LocalNode) -> list[str]:
     """Completion ids in every ledger segment the node wrote."""
     ids = []
-    for segment in (node.home / "ledger").glob("ledger-*.jsonl"):
+    for segment in (node.workdir / "ledger").glob("ledger-*.jsonl"):
         for line in segment.read_text().splitlines()[1:]:
             if line.strip():
                 ids.append(json.loads(line)["record_id"])
@@ -88,15 +57,17 @@ def records(node: LocalNode) -> list[str]:
 
 
 def test_a_killed_node_loses_no_request_and_comes_back(tmp_path: Path, small_model_dir: Path) -> None:
-    nodes = [LocalNode(tmp_path / name, small_model_dir) for name in ("a", "b")]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    nodes = [LocalNode(tmp_path / name, str(small_model_dir), 1, None) for name in ("a", "b")]
     router_port = free_port()
     router: subprocess.Popen[bytes] | None = None
     try:
-        keys = [node.key("router", "router") for node in nodes]
+        keys = [node.add_key("router", "router") for node in nodes]
         for node in nodes:
-            node.start()
+            start(node)
         providers = {"settings": {"poll_interval_s": 0.5, "connect_timeout_s": 2},
-                     "providers": [{"name": name, "url": node.url, "api_key": key, "models": [small_model_dir.name]}
+                     "providers": [{"name": name, "url": node.root, "api_key": key, "models": [small_model_dir.name]}
                                    for name, node, key in zip(("a", "b"), nodes, keys, strict=True)],
                      "callers": {"carol": {"key_sha256": hashlib.sha256(CALLER_KEY.encode()).hexdigest()}}}
         (tmp_path / "providers.yaml").write_text(yaml.safe_dump(providers))
@@ -122,7 +93,9 @@ def test_a_killed_node_loses_no_request_and_comes_back(tmp_path: Path, small_mod
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     if any(task.result()[1] == "a" for task in done):
                         break
-                nodes[0].kill()
+                assert nodes[0].process is not None
+                nodes[0].process.send_signal(signal.SIGKILL)
+                nodes[0].process.wait()
                 later = [asyncio.create_task(one(index)) for index in range(REQUESTS // 2, REQUESTS)]
                 return list(await asyncio.gather(*first, *later))
 
@@ -138,7 +111,7 @@ def test_a_killed_node_loses_no_request_and_comes_back(tmp_path: Path, small_mod
         # Round-robin sent half of the first requests to `a`; those it had not answered when killed moved to `b`.
         assert 1 <= len(served_by_a) < REQUESTS // 4, f"a answered {len(served_by_a)}: the kill came too late"
 
-        nodes[0].start()  # back on its port: the router polls it up again and routes to it
+        start(nodes[0])  # back on its port: the router polls it up again and routes to it
         wait(lambda: (healthy(base) or {}).get("providers_up") == 2, 30, "the router seeing the node back")
         providers_seen = set()
         for index in range(4):
