@@ -64,6 +64,8 @@ class Streamed:
     usage: dict[str, Any]
     headers: Mapping[str, str] = field(default_factory=dict)
     """The response's headers (a router's `Tenzro-Provider` says which node served)."""
+    arrivals_s: tuple[float, ...] = ()
+    """When each event carrying text arrived, in seconds from sending the request."""
 
     def timing(self) -> Timing:
         details = self.usage.get("prompt_tokens_details") or {}
@@ -129,18 +131,23 @@ class Client:
 
     async def stream(self, path: str, body: dict[str, Any]) -> Streamed:
         """POST a streamed request to `path`. TTFT: to the first event carrying generated text or a finish
-        reason (a chat stream opens with a role chunk sent before anything is computed)."""
+        reason (a chat stream opens with a role chunk sent before anything is computed). A stream that ends
+        without [DONE] raises."""
         ttft: float | None = None
         parts: list[str] = []
+        arrivals: list[float] = []
         usage: dict[str, Any] = {}
+        done = False
         started = time.perf_counter()
         async with self._request("POST", self.base + path, json=body) as response:
             headers = dict(response.headers)
             async for line in response.content:
                 if not line.startswith(b"data:"):
                     continue
+                arrived = time.perf_counter() - started
                 data = line[len(b"data:"):].strip().decode()
                 if data == "[DONE]":
+                    done = True
                     break
                 try:
                     event = json.loads(data)
@@ -151,12 +158,16 @@ class Client:
                 for choice in event.get("choices") or []:
                     text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                     if ttft is None and (text or choice.get("finish_reason") or "text" in choice):
-                        ttft = time.perf_counter() - started
-                    parts.append(text)
+                        ttft = arrived
+                    if text:
+                        parts.append(text)
+                        arrivals.append(arrived)
                 usage = event.get("usage") or usage
+        if not done:
+            raise BenchError(f"POST {self.base}{path}: the stream ended before [DONE]")
         if ttft is None:
             raise BenchError(f"POST {self.base}{path} streamed no generated text")
-        return Streamed(ttft, "".join(parts), usage, headers)
+        return Streamed(ttft, "".join(parts), usage, headers, tuple(arrivals))
 
     def _greedy(self, max_tokens: int) -> dict[str, Any]:
         return {"model": self.model, "max_tokens": max_tokens, "temperature": 0, "stream": True,

@@ -155,7 +155,8 @@ class ModelStateAdapter:
             tuple((component, COMPONENT_ADAPTERS[type(component)]) for component in spec.components)
             for spec in specs)
         self._full = FullAttentionAdapter()
-        self._pool = BufferPool()
+        self._pools: dict[int, BufferPool] = {}
+        """Working buffers per lane: one running sequence owns a lane (see `node/engine/BATCHING.md`)."""
         self.needs_snapshots = any(spec.needs_snapshot for spec in specs)
         # Building a DynamicCache walks the config (about 0.15 ms, on every request's time to first token);
         # one of only plain full-attention layers and known fields is copied instead.
@@ -163,41 +164,44 @@ class ModelStateAdapter:
         copyable = (set(vars(template)) <= {"layers", "layer_class_to_replicate", "offloading"}
                     and all(type(layer) is DynamicLayer for layer in template.layers))
         self._template = template if copyable else None
-        self._last: DynamicCache | None = None
+        self._last: dict[int, DynamicCache] = {}
+        """Per lane, the working cache handed out last (one is live per lane), which a continuing request takes
+        over."""
         self._unwritten: list[tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = []
-        """The working cache handed out last (one is live at a time), which a continuing request takes over."""
 
-    def new_cache(self, capacity: int, adopt: int = 0) -> tuple[DynamicCache, int]:
-        """A working cache sized for `capacity` tokens (prompt plus the reply's budget).
+    def new_cache(self, capacity: int, adopt: int = 0, lane: int = 0) -> tuple[DynamicCache, int]:
+        """A working cache sized for `capacity` tokens (prompt plus the reply's budget), in `lane`'s buffers.
 
-        Plain full-attention layers get pooled buffers, reused by the next `new_cache`: one working cache
-        is live at a time. With `adopt`, the cache starts from that many tokens the previous working cache
-        left in the buffers; returns the cache and the tokens it starts with (`adopt` or 0).
+        Plain full-attention layers get the lane's pooled buffers, reused by the lane's next `new_cache`: one
+        working cache is live per lane. With `adopt`, the cache starts from that many tokens the lane's
+        previous working cache left in the buffers; returns the cache and the tokens it starts with (`adopt`
+        or 0).
         """
-        last, self._last = self._last, None
+        last = self._last.pop(lane, None)
         if last is not None and all(isinstance(layer, GrowableKVLayer) for layer in last.layers):
             # The last working cache itself, cut back (to nothing without `adopt`): no layer objects or buffer
             # views to rebuild.
             if all(layer.truncate(adopt, capacity) for layer in last.layers):  # type: ignore[union-attr]
-                self._last = last
+                self._last[lane] = last
                 return last, adopt
-        cache = self._fresh(capacity)
+        cache = self._fresh(capacity, lane)
         layers = [layer for layer in cache.layers if isinstance(layer, GrowableKVLayer)]
         if adopt and layers and len(layers) == len(cache.layers):
             if not all(layer.adopt(adopt) for layer in layers):
-                cache, adopt = self._fresh(capacity), 0
+                cache, adopt = self._fresh(capacity, lane), 0
         else:
             adopt = 0
-        self._last = cache
+        self._last[lane] = cache
         return cache, adopt
 
-    def _fresh(self, capacity: int) -> DynamicCache:
+    def _fresh(self, capacity: int, lane: int) -> DynamicCache:
+        pool = self._pools.setdefault(lane, BufferPool())
         if self._template is not None:
             cache = copy.copy(self._template)
-            cache.layers = [GrowableKVLayer(capacity, self._pool, slot) for slot in range(len(self._template.layers))]
+            cache.layers = [GrowableKVLayer(capacity, pool, slot) for slot in range(len(self._template.layers))]
             return cache
         cache = DynamicCache(config=self._config)
-        cache.layers = [GrowableKVLayer(capacity, self._pool, slot) if type(layer) is DynamicLayer else layer
+        cache.layers = [GrowableKVLayer(capacity, pool, slot) if type(layer) is DynamicLayer else layer
                         for slot, layer in enumerate(cache.layers)]
         return cache
 
@@ -267,9 +271,18 @@ class ModelStateAdapter:
         if snapshot is not None:
             self.restore_snapshot(cache, snapshot, position)
 
-    def wipe_pool(self, keep: int, dirty: int) -> None:
-        """Zero rows `[keep, dirty)` of the working buffers: what they hold there is no longer hot state."""
-        self._pool.zero_rows(keep, dirty)
+    def wipe_pool(self, keep: int, dirty: int, lane: int = 0) -> None:
+        """Zero rows `[keep, dirty)` of `lane`'s working buffers: what they hold there is no longer hot state."""
+        pool = self._pools.get(lane)
+        if pool is not None:
+            pool.zero_rows(keep, dirty)
+        last = self._last.get(lane)
+        if not keep and last is not None and not all(isinstance(layer, GrowableKVLayer) for layer in last.layers):
+            del self._last[lane]  # its sliding-window and recurrent tensors are not hot state either
+
+    def lane_bytes(self) -> dict[int, int]:
+        """Bytes of working buffers each lane holds (for `GET /v1/node`)."""
+        return {lane: pool.nbytes for lane, pool in self._pools.items()}
 
     def materialize(self, cache: DynamicCache) -> None:
         """Copy restored pieces held by reference into the working buffers (see `GrowableKVLayer.defer`)."""

@@ -513,6 +513,11 @@ class StateArena:
         self._add(part, 1)
         return True
 
+    def take_scratch(self) -> list[torch.Tensor]:
+        """The plaintext opened outside the working buffers since the last call, for the caller to zero."""
+        scratch, self.scratch = self.scratch, []
+        return scratch
+
     @torch.inference_mode()
     def wipe_scratch(self) -> None:
         for tensor in self.scratch:

@@ -21,9 +21,9 @@ dumps (`node.hygiene.exclude_from_dumps`); this package cannot import the node."
 class BufferPool:
     """Working buffers kept between requests, so each request does not page-fault fresh memory.
 
-    Requests run one at a time per model; a buffer handed out is valid until the next `take` of the same
-    slot, and still holds what the last request wrote, which lets the next request of the same scope
-    continue from it (see `GrowableKVLayer.adopt`). Stored spans are always clones, never views of these.
+    One pool per lane: one sequence at a time runs in a lane. A buffer handed out is valid until the next
+    `take` of the same slot, and still holds what the lane's last sequence wrote, which lets the next request
+    of the same scope continue from it (see `GrowableKVLayer.adopt`).
     """
 
     def __init__(self) -> None:
@@ -50,6 +50,10 @@ class BufferPool:
 
     def held(self, slot: int) -> torch.Tensor | None:
         return self._buffers.get(slot)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
 
     @torch.inference_mode()
     def zero_rows(self, start: int, end: int) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from attestation.cli import add_verify_parser
 from bench.agent import add_agent_bench
+from bench.load import add_load_bench
 from bench.reuse import add_reuse_bench
 from bench.route import add_route_bench
 from bench.scenarios import add_scenarios_bench
@@ -145,7 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
     budget = dataclasses.replace(config.cache, eviction=args.eviction) if args.eviction else config.cache
     prefix_cache = None if args.no_reuse else new_prefix_cache(budget, sealed=not args.no_seal,
                                                                plaintext_bytes=config.plaintext_bytes)
-    service = ModelService.create(loaded, prefix_cache, config.limits.max_queue, reuse_policy)
+    service = ModelService.create(loaded, prefix_cache, config.limits, reuse_policy)
     app = create_app(config, config_path, service, metering, identity, policy,
                      hygiene={**hygiene.as_json(), "policy": policy.name})
     # The model, tokenizer and app are loaded for good: out of the collector's reach, a full collection
@@ -273,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_agent_bench(bench)
     add_scenarios_bench(bench)
     add_route_bench(bench)
+    add_load_bench(bench)
     add_audit_commands(groups)
     add_router_commands(groups)
     attest = groups.add_parser("attest", help="attestation evidence").add_subparsers(dest="command", required=True)

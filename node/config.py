@@ -54,6 +54,11 @@ class Limits:
     max_queue: int = 64
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 256
+    max_running: int = 32
+    """Requests that run at once (each in its own lane of working memory; see node/engine/BATCHING.md)."""
+    prefill_chunk: int = 256
+    """Prompt tokens per prefill chunk: a request arriving while a long prompt prefills waits at most about
+    one chunk per prefilling request before its own prompt's chunks run."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +137,11 @@ def parse_config(raw: Any) -> NodeConfig:
                               entry.get("retention", "keep"), ttl, _requirements(entry, name)))
     defaults = NodeConfig()
     cache = _section(top.get("cache"), "cache", {"node_bytes", "caller_bytes", "plaintext_bytes"})
-    limits = _section(top.get("limits"), "limits", {"max_queue", "max_body_bytes", "default_max_tokens"})
+    limits = _section(top.get("limits"), "limits", {"max_queue", "max_body_bytes", "default_max_tokens",
+                                                    "max_running", "prefill_chunk"})
+    for key in ("max_running", "prefill_chunk"):
+        if limits.get(key) == 0:
+            raise ConfigError(f"'limits.{key}' must be at least 1")
     budget = CacheBudget(cache.get("node_bytes", defaults.cache.node_bytes),
                          cache.get("caller_bytes", defaults.cache.caller_bytes))
     return NodeConfig(callers=tuple(callers), cache=budget, plaintext_bytes=cache.get("plaintext_bytes", 0),
@@ -166,7 +175,8 @@ def _dump(config: NodeConfig) -> dict[str, Any]:
         "cache": {"node_bytes": config.cache.node_bytes, "caller_bytes": config.cache.caller_bytes,
                   "plaintext_bytes": config.plaintext_bytes},
         "limits": {"max_queue": config.limits.max_queue, "max_body_bytes": config.limits.max_body_bytes,
-                   "default_max_tokens": config.limits.default_max_tokens},
+                   "default_max_tokens": config.limits.default_max_tokens, "max_running": config.limits.max_running,
+                   "prefill_chunk": config.limits.prefill_chunk},
     }
 
 

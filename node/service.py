@@ -59,10 +59,10 @@ class ModelService:
     scheduler: Scheduler
 
     @classmethod
-    def create(cls, loaded: LoadedModel, prefix_cache: PrefixCache | None, max_queue: int,
+    def create(cls, loaded: LoadedModel, prefix_cache: PrefixCache | None, limits: Limits,
                policy: SnapshotPolicy | None = None) -> ModelService:
-        runner = Runner(loaded, prefix_cache, policy=policy)
-        return cls(loaded, runner, Scheduler(runner, max_queue))
+        runner = Runner(loaded, prefix_cache, prefill_chunk=limits.prefill_chunk, policy=policy)
+        return cls(loaded, runner, Scheduler(runner, limits.max_queue, limits.max_running))
 
     @property
     def model_id(self) -> str:

@@ -40,6 +40,7 @@ async def node_identity(request: web.Request) -> web.Response:
         "prices": {name: wei_to_json(value) for name, value in prices.to_mapping().items()},
         "pricing_error": meter.pricing.reload_error,
         "forward": {"path": forward.name, "reason": forward.reason},
+        "engine": {**request.app[SERVICE].runner.engine_state(), **request.app[SERVICE].scheduler.describe()},
         "sealing": request.app[SERVICE].runner.sealing_state(),
         "hygiene": request.app[HYGIENE],
     })

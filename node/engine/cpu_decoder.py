@@ -143,6 +143,11 @@ class CpuDecoder:
             self._rope_table = (cos[0].contiguous(), sin[0].contiguous())
         return self._rope_table[0][start:end], self._rope_table[1][start:end]
 
+    @torch.inference_mode()
+    def wipe_scratch(self) -> None:
+        """Zero the forward's scratch: it holds the last chunk's activations and new keys and values."""
+        self._work.zero_()
+
     def takes(self, tokens: int, cache: DynamicCache) -> bool:
         """Whether this forward runs `tokens` new tokens into `cache`: a short chunk, into working-cache layers
         it can write in place."""

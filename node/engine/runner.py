@@ -1,14 +1,17 @@
 """The node's own prefill/decode loop on the transformers cache API, with prefix-state reuse.
 
-One request at a time: restore the leased prefix state, prefill the rest of the prompt in chunks, decode,
-feed the last generated token so the reply's state is complete, and store the new state for the caller.
+Each request is a `Running` sequence in a lane of working buffers: restore the leased prefix state, prefill the rest
+of the prompt in chunks, decode, feed the last generated token so the reply's state is complete, and store
+the new state for the caller. The scheduler runs many sequences together: a chunk of one sequence's prefill
+and one decode step of every decoding sequence per step (`decode`, batched where the model allows: see
+`batch_forward.py` and BATCHING.md); `generate` runs one sequence alone.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,12 +19,13 @@ from transformers import DynamicCache
 
 from cache.adapters import Snapshot
 from cache.arena import Borrowed, Scope, SealCost, SealedEntryError, StateArena
-from cache.prefix_cache import PrefixCache, StoreResult
+from cache.prefix_cache import PrefixCache, StoreResult, belongs_to
 from cache.radix_tree import common_prefix_length
 from cache.snapshot_policy import SnapshotPolicy
+from node.engine.batch_forward import BatchedDecode, batch_blocker, batchable
 from node.engine.detokenizer import Detokenizer
 from node.engine.loader import LoadedModel
-from node.engine.prediction import Prediction
+from node.engine.prediction import Logits, Prediction
 from node.engine.sampling import Sampler, SamplingParams
 from node.engine.seal_cost import measure_seal_cost
 
@@ -72,6 +76,52 @@ class GenerationResult:
     resume at any token would have reused. `cached_read_tokens` falls short of it only between snapshots."""
 
 
+@dataclass(eq=False)
+class Running:
+    """One request while it runs: its lane's working cache, how far its prompt is computed, its reply so far."""
+
+    request: GenerationRequest
+    emit: Callable[[str], Any]
+    cancelled: Callable[[], bool]
+    queue_wait_s: float
+    lane: int
+    started: float
+    cache: DynamicCache
+    restored: int
+    matched: int
+    stops: list[int]
+    """Where the prefill's chunks end, in order: every snapshot position and every `prefill_chunk` tokens."""
+    wanted: frozenset[int]
+    """Positions to snapshot the state at."""
+    sampler: Sampler
+    detok: Detokenizer
+    scratch: list[torch.Tensor] = field(default_factory=list)
+    """State opened for this sequence outside its lane's buffers; zeroed when it ends."""
+    position: int = 0
+    """Prompt tokens in the cache."""
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)
+    prediction: Prediction | None = None
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    """None while it runs; then "stop", "length" or "cancelled"."""
+    ttft: float = 0.0
+    discard: bool = False
+    """Its caller went while it ran: nothing of it is stored."""
+
+    @property
+    def prefilling(self) -> bool:
+        return self.position < len(self.request.prompt)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def next_chunk(self) -> int:
+        """Tokens of the next prefill chunk."""
+        return self.stops[0] - self.position if self.stops else 0
+
+
 class Runner:
     def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache | None, prefill_chunk: int = 1024,
                  policy: SnapshotPolicy | None = None, seal_cost: SealCost | None = None) -> None:
@@ -94,10 +144,26 @@ class Runner:
         plaintext; requests store nothing (billed without cached writes, `retained` false), as under retention
         none."""
         self.prefill_chunk = prefill_chunk
-        # The scope and tokens whose state the working buffers hold from the last request: the hot working cache.
-        self._hot: tuple[Scope, tuple[int, ...]] | None = None
-        self._dirty = 0
-        """Rows of the working buffers written since they were last wiped."""
+        self._hot: tuple[int, Scope, tuple[int, ...]] | None = None
+        """The lane, scope and tokens whose state the lane's buffers hold from the last finished request: the
+        hot working cache."""
+        self._dirty: dict[int, int] = {}
+        """Per lane, rows of its working buffers written since they were last wiped."""
+        self._live: dict[int, Running] = {}
+        """Running sequences by lane."""
+        self._batched = BatchedDecode(loaded.model)
+        self.batching = batch_blocker(loaded.model)
+        """Why decode steps of several sequences cannot run as one forward on this model (None: they do)."""
+        self.decode_steps = 0
+        self.batched_steps = 0
+        """Decode steps that ran several sequences in one forward."""
+        self.largest_batch = 0
+
+    def engine_state(self) -> dict[str, Any]:
+        """For `GET /v1/node`: whether decode steps are batched (and why not), and how they ran so far."""
+        return {"batched_decode": self.batching is None, "reason": self.batching or "every layer is attention",
+                "prefill_chunk": self.prefill_chunk, "decode_steps": self.decode_steps,
+                "batched_steps": self.batched_steps, "largest_batch": self.largest_batch}
 
     def sealing_state(self) -> dict[str, Any]:
         """For `GET /v1/node`: whether stored state is sealed, how, and what the tiers hold now."""
@@ -133,53 +199,39 @@ class Runner:
         return (self.prefix_cache is not None and state is not None
                 and (state.needs_snapshots or not self.policy.anywhere))
 
-    def _prefill(self, prompt: list[int], start: int, cache: DynamicCache, snapshot_at: list[int]
-                 ) -> tuple[Prediction, dict[int, Snapshot]]:
-        """Run `prompt[start:]` in chunks ending on every snapshot position; returns the last position's
-        prediction and the snapshots taken."""
-        stops = sorted(set(snapshot_at) | set(range(start + self.prefill_chunk, len(prompt), self.prefill_chunk))
-                       | {len(prompt)})
-        wanted = set(snapshot_at)
-        snapshots: dict[int, Snapshot] = {}
-        prediction: Prediction | None = None
-        position = start
-        for stop in stops:
-            if stop <= position:
-                continue
-            prediction = self.loaded.forward(prompt[position:stop], position, cache)
-            position = stop
-            if stop in wanted and self.loaded.state is not None:
-                snapshots[stop] = self.loaded.state.snapshot(cache)
-        assert prediction is not None
-        return prediction, snapshots
-
-
     @torch.inference_mode()
     def prompt_logits(self, scope: Scope, prompt: list[int]) -> tuple[torch.Tensor, int]:
         """Last-position logits of `prompt` with reuse as configured, then store its state; for tests.
 
         Returns (logits `[vocab]`, tokens restored).
         """
-        cache, restored, matched = self._restore(scope, prompt, capacity=len(prompt))
-        prediction, snapshots = self._prefill(prompt, restored, cache,
-                                              self._snapshot_plan(prompt, (), restored, matched))
-        self._dirty = max(self._dirty, len(prompt))
-        self._store(scope, prompt, cache, snapshots)
-        return prediction.logits(), restored
+        seq = self.start(GenerationRequest(scope, prompt, SamplingParams(max_tokens=1)), lambda _: None,
+                         lambda: False, lane=0, sample=False)
+        while seq.prefilling:
+            self.prefill(seq)
+        assert seq.prediction is not None
+        logits = seq.prediction.logits()
+        self._end(seq)
+        self._store(seq.lane, scope, prompt, seq.cache, seq.snapshots)
+        return logits, seq.restored
 
     def _snapshot_plan(self, prompt: list[int], boundaries: tuple[int, ...], start: int, matched: int) -> list[int]:
         if not self._takes_snapshots:
             return []
         return self.policy.prompt_positions(start, len(prompt), boundaries, branch=matched if matched > start else 0)
 
-    def _restore(self, scope: Scope, prompt: list[int], capacity: int) -> tuple[DynamicCache, int, int]:
-        """A working cache resumed at the deepest resume point; (cache, its length, tokens matched)."""
-        state, hot = self.loaded.state, self._hot
-        self._hot = None  # the working buffers are about to be overwritten
+    def _restore(self, scope: Scope, prompt: list[int], capacity: int, lane: int
+                 ) -> tuple[DynamicCache, int, int, list[torch.Tensor]]:
+        """A working cache in `lane` resumed at the deepest resume point; (cache, its length, tokens matched,
+        state opened outside the lane's buffers)."""
+        state = self.loaded.state
+        hot = self._hot[1:] if self._hot is not None and self._hot[0] == lane else None
+        if hot is not None:
+            self._hot = None  # the lane's buffers are about to be overwritten
         if state is None:
-            return DynamicCache(config=self.loaded.model.config), 0, 0
+            return DynamicCache(config=self.loaded.model.config), 0, 0, []
         if self.prefix_cache is None:  # reuse off: still the working cache, which the CPU decoder writes in place
-            return state.new_cache(capacity)[0], 0, 0
+            return state.new_cache(capacity, lane=lane)[0], 0, 0, []
         assert self.arena is not None
         self.arena.own_borrowed()  # no-op after `settle`; the new working cache overwrites the buffers
         # At least one prompt token is always computed: its logits choose the first output token.
@@ -187,49 +239,72 @@ class Runner:
             lease = self.prefix_cache.acquire(scope, prompt, limit=len(prompt) - 1,
                                               anywhere=self.resumes_anywhere)
             try:
-                # The same scope's last request left its state in the working buffers: the part of the lease
+                # The same scope's last request left its state in this lane's buffers: the part of the lease
                 # it covers needs no copy.
                 warm = min(common_prefix_length(hot[1], tuple(prompt)), lease.length) if hot and hot[0] == scope else 0
-                cache, adopted = state.new_cache(capacity, adopt=warm)
-                assert self.arena is not None
+                cache, adopted = state.new_cache(capacity, adopt=warm, lane=lane)
                 self.arena.restore(state, cache, lease.spans, skip=adopted, snapshot=lease.snapshot,
                                    position=lease.length)
-                return cache, lease.length, lease.matched
+                return cache, lease.length, lease.matched, self._opened(lane)
             except SealedEntryError as exc:
                 # Altered, moved or opened under the wrong scope: dropped and counted; this request recomputes.
                 failed = exc.handles
             finally:
                 self.prefix_cache.release(lease)
+            for tensor in self._opened(lane):
+                tensor.zero_()
             self.prefix_cache.discard(scope, failed)
             hot = None
-        return state.new_cache(capacity)[0], 0, 0
+        return state.new_cache(capacity, lane=lane)[0], 0, 0, []
 
-    def _store(self, scope: Scope, tokens: Sequence[int], cache: DynamicCache, snapshots: dict[int, Snapshot]
-               ) -> StoreResult:
+    def _opened(self, lane: int) -> list[torch.Tensor]:
+        """Count the rows an opening wrote in `lane`'s buffers as written; the state it opened elsewhere."""
+        assert self.arena is not None
+        self._dirty[lane] = max(self._dirty.get(lane, 0), self.arena.written)
+        self.arena.written = 0
+        return self.arena.take_scratch()
+
+    def _store(self, lane: int, scope: Scope, tokens: Sequence[int], cache: DynamicCache,
+               snapshots: dict[int, Snapshot]) -> StoreResult:
         if self.prefix_cache is None or self.loaded.state is None:
             return StoreResult(len(tokens), 0)
         state = self.loaded.state
         state.materialize(cache)  # stored spans are cut from the buffers, which must hold every row
-        # Views of the working buffers: `settle` seals them from there (or copies them) before they are reused.
+        # Views of the lane's buffers: `settle` seals them from there (or copies them) before they are reused.
         result = self.prefix_cache.store(
             scope, tokens, lambda start, end: Borrowed(state.extract(cache, start, end, borrow=True)), snapshots)
-        self._hot = (scope, tuple(tokens))
+        self._hot = (lane, scope, tuple(tokens))
         return result
 
+    def pick_lane(self, scope: Scope, lanes: int) -> int:
+        """A free lane among `lanes` for a request of `scope`: the one holding its hot working cache if free,
+        else the lowest free lane that does not hold another scope's hot working cache."""
+        hot = self._hot[0] if self._hot is not None else None
+        if self._hot is not None and self._hot[1] == scope and hot not in self._live:
+            return self._hot[0]
+        free = [lane for lane in range(lanes) if lane not in self._live]
+        assert free, "the scheduler admits no more requests than there are lanes"
+        return min(free, key=lambda lane: (lane == hot, lane))
+
     def settle(self, stop: Callable[[], bool] = lambda: False) -> None:
-        """After a reply: zero plaintext that is no longer hot (working-buffer rows beyond the hot working
-        cache, state opened for the request), then seal cold state, yielding to a waiting request (`stop`)."""
-        state = self.loaded.state
-        if self.arena is not None:
-            self._dirty, self.arena.written = max(self._dirty, self.arena.written), 0
-        if state is not None:
-            keep = len(self._hot[1]) if self._hot is not None else 0
-            state.wipe_pool(keep, self._dirty)
-            self._dirty = keep
-        if self.arena is not None:
-            self.arena.wipe_scratch()
+        """Between steps and after replies: seal cold state, yielding to waiting work (`stop`), then zero
+        plaintext that is no longer hot (rows of idle lanes beyond the hot working cache, state opened outside
+        the lanes, the native forward's scratch). Sealing comes first: spans stored from a lane borrow its rows
+        until they are sealed or copied, which `seal_cold` does to every one of them."""
         if self.prefix_cache is not None:
             self.prefix_cache.seal_cold(stop)
+        state = self.loaded.state
+        if state is not None:
+            for lane, dirty in list(self._dirty.items()):
+                if lane in self._live:
+                    continue
+                keep = len(self._hot[2]) if self._hot is not None and self._hot[0] == lane else 0
+                state.wipe_pool(keep, dirty, lane)
+                self._dirty[lane] = keep
+        if self.arena is not None:
+            self.arena.wipe_scratch()
+        if self.loaded.decoder is not None:
+            self.loaded.decoder.wipe_scratch()
 
     def drop_caller(self, caller: str) -> None:
         """The caller's key was removed: its stored state (and that of the callers it acts for as a router) is
@@ -237,7 +312,10 @@ class Runner:
         if self.prefix_cache is None:
             return
         dropped = self.prefix_cache.drop_caller(caller)
-        if self._hot is not None and self._hot[0] in dropped:
+        for seq in self._live.values():
+            if belongs_to(seq.request.scope, caller):
+                seq.discard = True  # nothing of it is stored when it ends
+        if self._hot is not None and (self._hot[1] in dropped or belongs_to(self._hot[1], caller)):
             self._hot = None
             self.settle()
 
@@ -246,68 +324,149 @@ class Runner:
         if self.prefix_cache is None:
             return
         expired = self.prefix_cache.expire(ttl_of)
-        if self._hot is not None and self._hot[0] in expired:
+        if self._hot is not None and self._hot[1] in expired:
             self._hot = None
             self.settle()
 
+    # -- one sequence, step by step ------------------------------------------------------------------------
+
     @torch.inference_mode()
-    def generate(self, request: GenerationRequest, emit: Callable[[str], Any],
-                 cancelled: Callable[[], bool], queue_wait_s: float = 0.0) -> GenerationResult:
-        """Run one request; `emit` gets each text delta as soon as it is safe to send."""
+    def start(self, request: GenerationRequest, emit: Callable[[str], Any], cancelled: Callable[[], bool],
+              queue_wait_s: float = 0.0, lane: int = 0, sample: bool = True) -> Running:
+        """Begin `request` in `lane` (free): restore its prefix state and plan its prefill."""
+        assert lane not in self._live, "a lane runs one sequence at a time"
         started = time.perf_counter()
         params, prompt = request.params, request.prompt
-        cache, restored, matched = self._restore(request.scope, prompt, capacity=len(prompt) + params.max_tokens)
-        prediction, snapshots = self._prefill(prompt, restored, cache,
-                                              self._snapshot_plan(prompt, request.boundaries, restored, matched))
-        sampler = Sampler(params)
-        detok = Detokenizer(self.loaded.tokenizer, params.stop)
-        output: list[int] = []
-        finish_reason = "length"
-        ttft = 0.0
-        while len(output) < params.max_tokens:
-            token = sampler.next_token(prediction, output)
-            output.append(token)
-            delta = detok.push(token)
-            if len(output) == 1:
-                ttft = time.perf_counter() - started
-            if delta:
-                emit(delta)
-            if len(output) == 1 and self.loaded.state is not None:
-                # The first token is out: now join the restored prefix to the working buffers, which
-                # decode steps read as one tensor.
-                self.loaded.state.materialize(cache)
-            if token in self.loaded.eos_token_ids or detok.stopped:
-                finish_reason = "stop"
-                break
-            if cancelled():
-                finish_reason = "cancelled"
-                break
-            if len(output) < params.max_tokens:
-                prediction = self.loaded.forward([token], len(prompt) + len(output) - 1, cache)
-        tail = detok.flush()
+        cache, restored, matched, scratch = self._restore(request.scope, prompt, len(prompt) + params.max_tokens,
+                                                          lane)
+        snapshot_at = self._snapshot_plan(prompt, request.boundaries, restored, matched)
+        stops = sorted(set(snapshot_at) | set(range(restored + self.prefill_chunk, len(prompt), self.prefill_chunk))
+                       | {len(prompt)})
+        seq = Running(request=request, emit=emit, cancelled=cancelled, queue_wait_s=queue_wait_s, lane=lane,
+                       started=started, cache=cache, restored=restored, matched=matched,
+                       stops=[stop for stop in stops if stop > restored], wanted=frozenset(snapshot_at),
+                       sampler=Sampler(params), detok=Detokenizer(self.loaded.tokenizer, params.stop),
+                       scratch=scratch, position=restored)
+        self._live[lane] = seq
+        if not sample:
+            seq.finish_reason = "length"  # prompt_logits: the prompt's logits, no reply
+        return seq
+
+    @torch.inference_mode()
+    def prefill(self, seq: Running) -> None:
+        """Run the next chunk of `seq`'s prompt; after the last, choose its first token."""
+        stop = seq.stops.pop(0)
+        seq.prediction = self.loaded.forward(seq.request.prompt[seq.position:stop], seq.position, seq.cache)
+        seq.position = stop
+        if stop in seq.wanted and self.loaded.state is not None:
+            seq.snapshots[stop] = self.loaded.state.snapshot(seq.cache)
+        if not seq.prefilling and not seq.done:
+            self._choose(seq)
+
+    @torch.inference_mode()
+    def decode(self, seqs: Sequence[Running]) -> None:
+        """One decode step of every sequence in `seqs` (each has chosen a token not yet run): one batched
+        forward where every cache allows it, else one forward each; then each chooses its next token."""
+        self.decode_steps += 1
+        if len(seqs) > 1 and self.batching is None and all(batchable(seq.cache) for seq in seqs):
+            self.batched_steps += 1
+            self.largest_batch = max(self.largest_batch, len(seqs))
+            tokens = [seq.output[-1] for seq in seqs]
+            positions = [len(seq.request.prompt) + len(seq.output) - 1 for seq in seqs]
+            logits = self._batched.step(tokens, positions, [seq.cache for seq in seqs], self.loaded.device)
+            for row, seq in enumerate(seqs):
+                seq.prediction = Logits(logits[row])
+        else:
+            for seq in seqs:
+                seq.prediction = self.loaded.forward([seq.output[-1]], len(seq.request.prompt) + len(seq.output) - 1,
+                                                     seq.cache)
+        for seq in seqs:
+            self._choose(seq)
+
+    def _choose(self, seq: Running) -> None:
+        """Sample the next token from `seq.prediction`, hand out its text, and see whether the reply ends."""
+        params = seq.request.params
+        if len(seq.output) >= params.max_tokens:
+            seq.finish_reason = "length"
+            return
+        assert seq.prediction is not None
+        token = seq.sampler.next_token(seq.prediction, seq.output)
+        seq.output.append(token)
+        delta = seq.detok.push(token)
+        if len(seq.output) == 1:
+            seq.ttft = time.perf_counter() - seq.started
+        if delta:
+            seq.emit(delta)
+        if len(seq.output) == 1 and self.loaded.state is not None:
+            # The first token is out: now join the restored prefix to the working buffers, which decode steps
+            # read as one tensor.
+            self.loaded.state.materialize(seq.cache)
+        if token in self.loaded.eos_token_ids or seq.detok.stopped:
+            seq.finish_reason = "stop"
+        elif seq.cancelled():
+            seq.finish_reason = "cancelled"
+        elif len(seq.output) >= params.max_tokens:
+            seq.finish_reason = "length"
+
+    def _end(self, seq: Running) -> None:
+        """`seq` leaves its lane: the state it opened elsewhere is zeroed, the rows it wrote are counted."""
+        self._live.pop(seq.lane, None)
+        for tensor in seq.scratch:
+            tensor.zero_()
+        seq.scratch.clear()
+        written = seq.position + len(seq.output)
+        self._dirty[seq.lane] = max(self._dirty.get(seq.lane, 0), written)
+
+    def abort(self, seq: Running) -> None:
+        """`seq` failed: it leaves its lane with nothing stored."""
+        self._end(seq)
+
+    @torch.inference_mode()
+    def finish(self, seq: Running) -> GenerationResult:
+        """`seq` has ended: feed its last token, store its state for the caller, and account for it."""
+        request, prompt, output = seq.request, seq.request.prompt, seq.output
+        tail = seq.detok.flush()
         if tail:
-            emit(tail)
+            seq.emit(tail)
+        self._end(seq)
         fed = prompt + output
-        self._dirty = max(self._dirty, len(fed))
-        if not (request.retain and self.keeps_state):
-            return GenerationResult(prompt_tokens=len(prompt), cached_read_tokens=restored, cached_write_tokens=0,
-                                    output_ids=output, text=detok.text, finish_reason=finish_reason,
-                                    queue_wait_s=queue_wait_s, ttft_s=ttft, retained=False,
-                                    matched_tokens=min(max(matched, restored), len(prompt) - 1))
-        if output and self.prefix_cache is not None:
+        matched = min(max(seq.matched, seq.restored), len(prompt) - 1)
+        if not (request.retain and self.keeps_state) or seq.discard:
+            return GenerationResult(prompt_tokens=len(prompt), cached_read_tokens=seq.restored,
+                                    cached_write_tokens=0, output_ids=output, text=seq.detok.text,
+                                    finish_reason=seq.finish_reason or "length", queue_wait_s=seq.queue_wait_s,
+                                    ttft_s=seq.ttft, retained=False, matched_tokens=matched)
+        if seq.prefilling:
+            fed = prompt[:seq.position]  # cancelled before its prompt was computed: what was computed is kept
+        elif output and self.prefix_cache is not None:
             # The last token was sampled but not yet run: run it so the stored state ends with the reply.
-            self.loaded.extend([output[-1]], len(fed) - 1, cache)
+            self.loaded.extend([output[-1]], len(fed) - 1, seq.cache)
             if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:
-                snapshots[len(fed)] = self.loaded.state.snapshot(cache)
+                seq.snapshots[len(fed)] = self.loaded.state.snapshot(seq.cache)
         held = tuple(fed)  # one tuple for the hot working cache and the remembered forms
-        stored = self._store(request.scope, held, cache, snapshots)
+        stored = self._store(seq.lane, request.scope, held, seq.cache, seq.snapshots)
         forms = request.forms
-        if self.prefix_cache is not None and (forms.at or forms.reply is not None):
-            reply_end = () if forms.reply is None else ((len(held), forms.reply(detok.text)),)
+        if self.prefix_cache is not None and not seq.prefilling and (forms.at or forms.reply is not None):
+            reply_end = () if forms.reply is None else ((len(held), forms.reply(seq.detok.text)),)
             self.prefix_cache.record_forms(request.scope, held, forms.at + reply_end)
         # Prompt tokens among those newly stored and still held.
         written = max(0, min(len(prompt), stored.start + stored.stored) - stored.start)
-        return GenerationResult(prompt_tokens=len(prompt), cached_read_tokens=restored,
-                                cached_write_tokens=written, output_ids=output, text=detok.text,
-                                finish_reason=finish_reason, queue_wait_s=queue_wait_s, ttft_s=ttft,
-                                matched_tokens=min(max(matched, restored), len(prompt) - 1))
+        return GenerationResult(prompt_tokens=len(prompt), cached_read_tokens=seq.restored,
+                                cached_write_tokens=written, output_ids=output, text=seq.detok.text,
+                                finish_reason=seq.finish_reason or "length", queue_wait_s=seq.queue_wait_s,
+                                ttft_s=seq.ttft, matched_tokens=matched)
+
+    def generate(self, request: GenerationRequest, emit: Callable[[str], Any],
+                 cancelled: Callable[[], bool], queue_wait_s: float = 0.0, lane: int = 0) -> GenerationResult:
+        """Run one request alone; `emit` gets each text delta as soon as it is safe to send."""
+        seq = self.start(request, emit, cancelled, queue_wait_s, lane)
+        try:
+            while not seq.done:
+                if seq.prefilling:
+                    self.prefill(seq)
+                else:
+                    self.decode([seq])
+        except BaseException:
+            self.abort(seq)
+            raise
+        return self.finish(seq)

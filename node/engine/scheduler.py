@@ -1,8 +1,13 @@
-"""Fair queueing of generation requests onto the model's single worker thread.
+"""Fair queueing of generation requests onto the model's worker thread, which runs many of them together.
 
 Model calls run off the event loop, in one worker thread per model, so the HTTP server keeps answering
-while a long prompt is prefilled. Callers take turns: each has its own FIFO and the worker serves the
-callers round-robin, so one caller's burst cannot starve another's single request.
+while prompts are prefilled. Callers take turns: each has its own FIFO, and requests are admitted from the
+callers round-robin, so one caller's burst cannot starve another's single request. Up to `max_running`
+admitted requests run at once, each in its own lane of working memory, and the worker advances them in
+steps: each step runs prefill chunks of about `prefill_chunk` tokens in all (the prefilling requests take
+turns, a chunk each, so a long prompt delays a short one by at most one chunk) and one decode step of every
+request that is decoding, batched into one forward where the model allows it (`Runner.decode`). Finished requests
+leave between steps, and waiting ones take their lanes.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from node.engine.runner import GenerationRequest, GenerationResult, Runner
+from node.engine.runner import GenerationRequest, GenerationResult, Runner, Running
 from node.log_privacy import Safe
 
 log = logging.getLogger(__name__)
@@ -88,17 +93,24 @@ class Job:
 
 TICK_S = 1.0
 """How often an idle worker expires state past its time to live."""
+MAX_RUNNING = 32
+"""Requests that run at once by default: the lanes of working memory (see BATCHING.md for their size)."""
 
 
 class Scheduler:
-    def __init__(self, runner: Runner, max_queue: int) -> None:
+    def __init__(self, runner: Runner, max_queue: int, max_running: int = MAX_RUNNING) -> None:
         self.runner = runner
         self.max_queue = max_queue
+        self.max_running = max(1, max_running)
         self.ttl_of: Callable[[str], float | None] = lambda caller: None
         """A caller's time to live for stored state (seconds, None: no limit), from the node's config."""
         self._queues: OrderedDict[str, deque[Job]] = OrderedDict()
         self._chores: deque[Callable[[], None]] = deque()
         self._waiting = 0
+        self._running: list[tuple[Job, Running]] = []
+        """Admitted requests, in the order they came in; touched by the worker thread only."""
+        self._turn = 0
+        """Which prefilling request runs the next chunk (they take turns)."""
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._work, name="engine-worker", daemon=True)
@@ -115,6 +127,10 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         return self._waiting
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
 
     def check_room(self) -> None:
         """Raise QueueFullError when a request submitted now would be refused."""
@@ -146,7 +162,7 @@ class Scheduler:
         return job
 
     def chore(self, work: Callable[[], None]) -> None:
-        """Run `work` on the worker thread, which owns the model's state, before the next job."""
+        """Run `work` on the worker thread, which owns the model's state, before the next step."""
         with self._cond:
             self._chores.append(work)
             self._cond.notify()
@@ -178,32 +194,28 @@ class Scheduler:
             self._waiting -= 1
         job.post(Failed(asyncio.CancelledError()))
 
-    def _next_job(self) -> Job | None:
-        """The next job, running chores and idle housekeeping while there is none; None when stopping."""
-        while True:
-            with self._cond:
-                if not self._queues and not self._chores and not self._stopping:
-                    self._cond.wait(TICK_S)
-                if self._stopping:
-                    return None
-                chores = list(self._chores)
-                self._chores.clear()
-                job = None
-                if self._queues and not chores:
-                    caller, queue = next(iter(self._queues.items()))
-                    job = queue.popleft()
-                    # Round-robin: the caller goes to the back of the rotation, or leaves it when drained.
-                    del self._queues[caller]
-                    if queue:
-                        self._queues[caller] = queue
-                    self._waiting -= 1
-                    job.withdraw = None  # running now: cancellation stops it at the next decode step
-            if job is not None:
-                return job
-            for chore in chores:
-                self._guarded(chore)
-            self._guarded(lambda: self.runner.expire(self.ttl_of))
-            self._guarded(lambda: self.runner.settle(stop=lambda: self._waiting > 0))  # what a busy spell left
+    def _take(self) -> tuple[list[Callable[[], None]], list[Job]] | None:
+        """Chores to run and jobs to admit (as many as there are free lanes), waiting while there is nothing to
+        do; None when stopping."""
+        with self._cond:
+            if not self._running and not self._queues and not self._chores and not self._stopping:
+                self._cond.wait(TICK_S)
+            if self._stopping:
+                return None
+            chores = list(self._chores)
+            self._chores.clear()
+            jobs: list[Job] = []
+            while self._queues and len(self._running) + len(jobs) < self.max_running:
+                caller, queue = next(iter(self._queues.items()))
+                job = queue.popleft()
+                # Round-robin: the caller goes to the back of the rotation, or leaves it when drained.
+                del self._queues[caller]
+                if queue:
+                    self._queues[caller] = queue
+                self._waiting -= 1
+                job.withdraw = None  # admitted: cancellation stops it at its next step
+                jobs.append(job)
+        return chores, jobs
 
     def _guarded(self, work: Callable[[], None]) -> None:
         try:
@@ -213,23 +225,87 @@ class Scheduler:
                       Safe("".join(traceback.format_tb(exc.__traceback__))))
 
     def _work(self) -> None:
-        while (job := self._next_job()) is not None:
-            if job.cancel_event.is_set():
-                job.post(Failed(asyncio.CancelledError()))
-                continue
-            wait = time.perf_counter() - job.enqueued_at
+        while (taken := self._take()) is not None:
+            chores, jobs = taken
+            for chore in chores:
+                self._guarded(chore)
+            for job in jobs:
+                self._admit(job)
+            if self._running:
+                self._step()
+            elif not jobs:
+                self._guarded(lambda: self.runner.expire(self.ttl_of))
+                self._guarded(lambda: self.runner.settle(stop=lambda: self._waiting > 0))  # what a busy spell left
+        for job, seq in self._running:  # stopping
+            self.runner.abort(seq)
+            job.post(Failed(asyncio.CancelledError()))
+        self._running.clear()
+
+    def _admit(self, job: Job) -> None:
+        if job.cancel_event.is_set():
+            job.post(Failed(asyncio.CancelledError()))
+            return
+        wait = time.perf_counter() - job.enqueued_at
+        try:
+            seq = self.runner.start(job.request, emit=job.emit_text, cancelled=job.cancel_event.is_set,
+                                    queue_wait_s=wait, lane=self.runner.pick_lane(job.request.scope,
+                                                                                  self.max_running))
+        except Exception as exc:  # noqa: BLE001 - reported to the waiting request, worker keeps serving
+            self._failed(job, exc)
+            return
+        self._running.append((job, seq))
+
+    def _step(self) -> None:
+        """Prefill chunks, one decode step of the decoding requests, then retire the ended."""
+        for job, seq in self._running:
+            if seq.prefilling and not seq.done and job.cancel_event.is_set():
+                seq.finish_reason = "cancelled"
+        # Prefill chunks, the prefilling requests taking turns, until the step has run about one chunk's tokens.
+        spent = 0
+        while prefilling := [(job, seq) for job, seq in self._running if seq.prefilling and not seq.done]:
+            job, seq = prefilling[self._turn % len(prefilling)]
+            size = seq.next_chunk
+            if spent and spent + size > self.runner.prefill_chunk:
+                break
+            self._turn += 1
+            spent += size
             try:
-                result = self.runner.generate(job.request, emit=job.emit_text,
-                                              cancelled=job.cancel_event.is_set, queue_wait_s=wait)
-            except Exception as exc:  # noqa: BLE001 - reported to the waiting request, worker keeps serving
-                # Frames only: an exception's message may quote token ids.
-                log.error("generation failed: %s\n%s", Safe(type(exc).__name__),
-                          Safe("".join(traceback.format_tb(exc.__traceback__))))
-                job.post(Failed(exc))
+                self.runner.prefill(seq)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                self._drop([(job, seq)], exc)
+        decoding = [(job, seq) for job, seq in self._running if not seq.prefilling and not seq.done]
+        if decoding:
+            try:
+                self.runner.decode([seq for _, seq in decoding])
+            except Exception as exc:  # noqa: BLE001 - the step's requests fail, the others go on
+                self._drop(decoding, exc)
+        ended = [(job, seq) for job, seq in self._running if seq.done]
+        for job, seq in ended:
+            self._running.remove((job, seq))
+            try:
+                result = self.runner.finish(seq)
+            except Exception as exc:  # noqa: BLE001
+                self.runner.abort(seq)
+                self._failed(job, exc)
             else:
                 job.post(Finished(result))
-            # After the reply: plaintext no longer hot is zeroed and cold state sealed; a waiting job goes first.
-            self._guarded(lambda: self.runner.settle(stop=lambda: self._waiting > 0))
+        if ended:
+            # After replies: plaintext no longer hot is zeroed and cold state sealed; waiting work goes first.
+            self._guarded(lambda: self.runner.settle(stop=lambda: bool(self._running) or self._waiting > 0))
+
+    def _drop(self, failed: list[tuple[Job, Running]], exc: Exception) -> None:
+        for job, seq in failed:
+            self._running.remove((job, seq))
+            self.runner.abort(seq)
+            self._failed(job, exc)
+
+    @staticmethod
+    def _failed(job: Job, exc: Exception) -> None:
+        # Frames only: an exception's message may quote token ids.
+        log.error("generation failed: %s\n%s", Safe(type(exc).__name__),
+                  Safe("".join(traceback.format_tb(exc.__traceback__))))
+        job.post(Failed(exc))
 
     def describe(self) -> dict[str, Any]:
-        return {"waiting": self._waiting, "max_queue": self.max_queue}
+        return {"waiting": self._waiting, "max_queue": self.max_queue, "running": len(self._running),
+                "max_running": self.max_running}

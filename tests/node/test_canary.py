@@ -25,6 +25,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from node.config import Limits
 from node.engine.loader import load_model
 from tests.node.conftest import Node, stop_node
 
@@ -228,11 +229,13 @@ def scan_memory(pid: int, rows: dict[RowKey, bytes], text: bytes) -> MemoryScan:
 def working_cache_rows(model_dir: Path, prompt: list[int]) -> dict[RowKey, bytes]:
     """The K/V rows a prompt leaves in the node's working cache (but first-layer values), computed as the node
     computes them: its loader, its forward path (native kernels or transformers, one thread: tests/conftest.py),
-    its working-cache layers."""
+    its working-cache layers, its prefill chunks."""
     loaded = load_model(model_dir.name, model_dir)
     assert loaded.state is not None
     cache, _ = loaded.state.new_cache(len(prompt))
-    loaded.forward(prompt, 0, cache)
+    chunk = Limits().prefill_chunk
+    for start in range(0, len(prompt), chunk):
+        loaded.forward(prompt[start:start + chunk], start, cache)
     rows: dict[RowKey, bytes] = {}
     for index, layer in enumerate(cache.layers):
         # A first-layer value row is a function of its token alone: any prompt holding that token (the node's

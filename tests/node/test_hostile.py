@@ -231,7 +231,7 @@ def test_logit_bias_penalties_and_top_p_zero_are_implemented(node_factory, small
 
 def test_a_full_queue_says_when_to_retry_and_a_stream_never_starts_before_its_place_is_held(
         node_factory, small_model_dir: Path) -> None:
-    node = node_factory(small_model_dir, config_text="limits:\n  max_queue: 1\n")
+    node = node_factory(small_model_dir, config_text="limits:\n  max_queue: 1\n  max_running: 1\n")
     key = node.add_key("alice")
     body = {"model": small_model_dir.name, "prompt": list(range(1000, 1300)), "max_tokens": 40, "temperature": 0,
             "stream": True}

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -19,7 +17,7 @@ from node.api.app import create_app
 from node.api.keys import METER
 from node.config import add_key, load_config
 from node.engine.loader import load_model
-from node.engine.runner import GenerationRequest, GenerationResult, Runner
+from node.engine.runner import GenerationRequest, GenerationResult, Runner, Running
 from node.engine.sampling import SamplingParams
 from node.engine.scheduler import Failed, Finished, Job, Scheduler
 from node.identity import NodeIdentity
@@ -147,8 +145,7 @@ async def test_a_job_that_never_ends_is_given_up_at_close(tmp_path: Path) -> Non
 
 
 class FailingRunner(Runner):
-    def generate(self, request: GenerationRequest, emit: Callable[[str], Any], cancelled: Callable[[], bool],
-                 queue_wait_s: float = 0.0) -> GenerationResult:
+    def prefill(self, seq: Running) -> None:
         raise RuntimeError("a model fault")
 
 

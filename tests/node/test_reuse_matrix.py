@@ -2,10 +2,17 @@
 
 Each family's small random model is served twice, with reuse and with `--no-reuse`; three conversations
 that real traffic produces run against both: one that appends turns, one that shares only the system
-prompt, and one whose history is edited in the middle.
+prompt, and one whose history is edited in the middle. Then four callers run their conversations at once
+against the node with reuse (their requests run together, batched where the model allows): each gets what
+its conversation gets alone on the node without reuse.
 """
 
 from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -57,3 +64,35 @@ def test_greedy_output_is_identical_with_reuse_on_and_off(family: str, node_fact
     edited[1]["content"] = "Step 0: move pallet 99 to dock 1."
     _, reused_after_edit = both(edited)
     assert 0 < reused_after_edit < cached_per_turn[-1]
+
+    concurrent_callers_get_their_alone_output(family, reuse, plain, model)
+
+
+def conversation(c: openai.OpenAI, model: str, caller: int, expected: list[str] | None = None) -> list[str]:
+    """Caller `caller`'s three turns; each reply is checked against `expected` as it comes (when given)."""
+    history = [{"role": "system", "content": SYSTEM}]
+    replies: list[str] = []
+    for turn in range(3):
+        history.append({"role": "user", "content": f"Robot {caller}, step {turn}: lift crate {caller * 5 + turn}."
+                                                  + " Then report." * caller})
+        reply, _ = ask(c, model, history)
+        if expected is not None:
+            assert reply == expected[turn], f"caller {caller} turn {turn}: its output differs from its output alone"
+        replies.append(reply)
+        history.append({"role": "assistant", "content": reply})
+    return replies
+
+
+def concurrent_callers_get_their_alone_output(family: str, reuse: Node, plain: Node, model: str) -> None:
+    alone = [conversation(client(plain), model, caller) for caller in range(4)]
+    clients = [openai.OpenAI(base_url=reuse.base, api_key=reuse.add_key(f"robot-{caller}"), max_retries=0)
+               for caller in range(4)]
+    time.sleep(0.6)  # the node reads new keys twice a second
+    with ThreadPoolExecutor(4) as pool:
+        runs = [pool.submit(conversation, clients[caller], model, caller, alone[caller]) for caller in range(4)]
+        for run in runs:
+            run.result()
+    with urllib.request.urlopen(f"{reuse.url}/v1/node", timeout=10) as answer:  # loopback only
+        engine = json.load(answer)["engine"]
+    if engine["batched_decode"]:
+        assert engine["largest_batch"] >= 2, f"{family}: the callers' decode steps never ran together"

@@ -16,7 +16,7 @@ from cache.arena import Scope, new_prefix_cache
 from cache.budget import CacheBudget
 from node.api.app import create_app
 from node.api.keys import KEYRING, SERVICE
-from node.config import add_key, load_config, remove_key
+from node.config import Limits, add_key, load_config, remove_key
 from node.engine.loader import LoadedModel, load_model
 from node.identity import NodeIdentity
 from node.meter import MeteringPaths, ensure_price_file
@@ -34,7 +34,8 @@ def small_loaded(small_model_dir: Path) -> LoadedModel:
 async def serve(aiohttp_client: Any, tmp_path: Path, loaded: LoadedModel) -> TestClient:
     """A node in process with reuse on (plaintext state: no sealing cost to measure) and no callers yet."""
     config_path = tmp_path / "node.yaml"
-    service = ModelService.create(loaded, new_prefix_cache(CacheBudget(1 << 30, 1 << 30), sealed=False), 8)
+    prefix_cache = new_prefix_cache(CacheBudget(1 << 30, 1 << 30), sealed=False)
+    service = ModelService.create(loaded, prefix_cache, Limits(max_queue=8))
     paths = MeteringPaths(ledger_dir=tmp_path / "ledger", pricing_file=tmp_path / "pricing.yaml")
     ensure_price_file(paths.pricing_file)
     app = create_app(load_config(config_path), config_path, service, paths, NodeIdentity.start(),

@@ -28,7 +28,7 @@ from cache.summary import (
 )
 from metering.signer import SignatureInvalid, verify_signed_object
 from node.api.keys import IDENTITY, SERVICE
-from node.config import add_key
+from node.config import Limits, add_key
 from node.engine.chat_template import RenderedChat
 from node.engine.loader import LoadedModel
 from node.engine.runner import GenerationRequest, PrefixForms, Runner
@@ -51,7 +51,7 @@ def follow_up(i: int) -> dict[str, str]:
 
 
 def test_chat_forms_sit_where_each_message_ends(small_loaded: LoadedModel) -> None:  # noqa: F811
-    service = ModelService.create(small_loaded, None, 1)
+    service = ModelService.create(small_loaded, None, Limits(max_queue=1))
     chat = [*question(1), {"role": "assistant", "content": "Soon."}, follow_up(1)]
     prompt = service.chat_prompt(tuple(Message(m["role"], m["content"]) for m in chat), forms=True)
     forms = chat_prefix_forms(chat)

@@ -170,7 +170,7 @@ def test_errors_are_openai_shaped_and_the_node_keeps_serving(node_factory, small
 
 
 def test_full_queue_answers_503_and_health_answers_during_prefill(node_factory, small_model_dir: Path) -> None:
-    node = node_factory(small_model_dir, config_text="limits:\n  max_queue: 1\n")
+    node = node_factory(small_model_dir, config_text="limits:\n  max_queue: 1\n  max_running: 1\n")
     key, operator = node.add_key("alice"), node.add_key("ops", "operator")
     long = {"model": small_model_dir.name, "prompt": list(range(100, 2100)), "max_tokens": 1900}
 

@@ -62,10 +62,19 @@ class BlockingRunner:
         self.release = threading.Event()
         self.ran: list[GenerationRequest] = []
 
-    def generate(self, request: GenerationRequest, emit, cancelled, queue_wait_s: float = 0.0):  # type: ignore[no-untyped-def]
+    def pick_lane(self, scope: Scope, lanes: int) -> int:
+        return 0
+
+    def start(self, request: GenerationRequest, emit, cancelled, queue_wait_s: float = 0.0, lane: int = 0):  # type: ignore[no-untyped-def]
         self.ran.append(request)
         self.release.wait(10)
         raise RuntimeError("not a real generation")
+
+    def expire(self, ttl_of) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def settle(self, stop) -> None:  # type: ignore[no-untyped-def]
+        pass
 
 
 async def test_a_cancelled_waiting_job_leaves_the_queue_at_once_and_frees_its_place() -> None:

@@ -98,7 +98,7 @@ def test_retention_none_stores_nothing_and_leaves_no_working_state(loaded: Loade
     arena = arena_of(sealed)
     assert written == 0 and len(arena) == 0
     assert loaded.state is not None
-    pool = loaded.state._pool._buffers
+    pool = loaded.state._pools[0]._buffers
     assert pool and all(not buffer[:, :, :108].any() for buffer in pool.values())  # the rows it wrote, wiped
     assert run(sealed, ALICE, prompt)[1] == 0
 
@@ -110,7 +110,7 @@ def test_a_removed_caller_leaves_zeros_and_no_key(loaded: LoadedModel) -> None:
     blobs = [entry.span.sealed.blob.data for entry in arena._entries.values() if entry.span.sealed is not None]
     assert blobs and all(any(blob) for blob in blobs)
     assert loaded.state is not None
-    pool = loaded.state._pool._buffers
+    pool = loaded.state._pools[0]._buffers
     assert all(buffer[:, :, :98].any() for buffer in pool.values())  # alice's working cache is hot
     sealed.drop_caller("alice")
     assert all(not any(blob) for blob in blobs) and len(arena) == 0
