@@ -42,9 +42,15 @@ def add_server_arguments(parser: argparse.ArgumentParser, model_default: str | N
     parser.add_argument("--device", help="device of the local node (default: cuda when present)")
 
 
+KEEPALIVE_S = 4.0
+"""How long an idle pooled connection is reused: under uvicorn's 5 s (vLLM, SGLang), which closes it then, and a
+request sent on a connection the server is closing fails with "Server disconnected"."""
+
+
 def open_session() -> aiohttp.ClientSession:
     """The one session a run pools its connections in."""
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+                                 connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S))
 
 
 @dataclass(frozen=True, slots=True)
