@@ -1,13 +1,14 @@
 """A/B the decode step of B sequences: the native kernels one sequence after another against transformers' batched
-forward (`node/engine/batch_forward.py`), on the default model, one thread, in one process.
+forward (`node/engine/batch_forward.py`), with the linear layers' oneDNN-packed weights (`cpu_layout.py`) and
+without them, on the default model, one thread, in one process.
 
     .venv/bin/python scripts/batch_ab.py [--context 1024] [--batches 1,2,3,4,8,16,32] [--runs 7]
 
 Each of B sequences is prefilled to `--context` tokens (lengths differ by a few tokens, as real traffic's do)
-in its own lane; then the two ways alternate, each running one decode step of all B sequences into its own set
-of caches, and the script prints the median milliseconds per step and per token, and the largest logit
-difference between the two, relative to the largest logit. `Runner.decode` takes the native path at batch 1
-only; this measures where that choice stands.
+in its own lane; then the three ways alternate, each running one decode step of all B sequences into its own
+set of caches, and the script prints the median milliseconds per step, tokens per second, and the largest
+logit difference between the native and the packed batched step, relative to the largest logit.
+`Runner.decode` takes the native path at batch 1 only; this measures where that choice stands.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from node.config import tenzro_home
 from node.engine.batch_forward import BatchedDecode
+from node.engine.cpu_layout import TransposedLinear
 from node.engine.loader import DEFAULT_MODEL, load_model, resolve_model_dir
 
 
@@ -37,14 +39,16 @@ def main() -> None:
     batched = BatchedDecode(loaded.model)
     vocab = int(loaded.model.config.vocab_size)
     print(f"forward: {loaded.forward_path.name} ({loaded.forward_path.reason}); context {args.context}, 1 thread")
-    print(f"{'batch':>5} {'native ms':>10} {'batched ms':>11} {'native tok/s':>13} {'batched tok/s':>14} "
-          f"{'rel diff':>9}")
+    linears = [m for m in loaded.model.modules() if isinstance(m, TransposedLinear)]
+    packed = [m.packed for m in linears]
+    print(f"{'batch':>5} {'native ms':>10} {'batched ms':>11} {'unpacked ms':>12} {'native tok/s':>13} "
+          f"{'batched tok/s':>14} {'rel diff':>9}")
     for batch in (int(b) for b in args.batches.split(",")):
         generator = torch.Generator().manual_seed(batch)
         prompts = [torch.randint(100, vocab, (args.context + 3 * row,), generator=generator).tolist()
                    for row in range(batch)]
         sets = []
-        for base in (0, batch):
+        for base in (0, batch, 2 * batch):
             caches = []
             for row, prompt in enumerate(prompts):
                 cache, _ = loaded.state.new_cache(len(prompt) + 2 * args.runs + 2, lane=base + row)
@@ -53,23 +57,30 @@ def main() -> None:
             sets.append(caches)
         tokens = [prompt[-1] for prompt in prompts]
         positions = [len(prompt) - 1 for prompt in prompts]
-        native_s, batched_s, worst = [], [], 0.0
+        times: list[list[float]] = [[], [], []]
+        worst = 0.0
         for step in range(args.runs):
             at = [position + step for position in positions]
             started = time.perf_counter()
             one = [loaded.forward([token], p, cache).logits() for token, p, cache in zip(tokens, at, sets[0],
                                                                                          strict=True)]
-            middle = time.perf_counter()
+            times[0].append(time.perf_counter() - started)
+            started = time.perf_counter()
             many = batched.step(tokens, at, sets[1], loaded.device)
-            ended = time.perf_counter()
-            native_s.append(middle - started)
-            batched_s.append(ended - middle)
+            times[1].append(time.perf_counter() - started)
+            for module in linears:
+                module.packed = None
+            started = time.perf_counter()
+            batched.step(tokens, at, sets[2], loaded.device)
+            times[2].append(time.perf_counter() - started)
+            for module, weight in zip(linears, packed, strict=True):
+                module.packed = weight
             for row, logits in enumerate(one):
                 worst = max(worst, float((many[row] - logits).abs().max()) / max(1.0, float(logits.abs().max())))
-        native, many_s = statistics.median(native_s), statistics.median(batched_s)
-        print(f"{batch:>5} {native * 1e3:>10.1f} {many_s * 1e3:>11.1f} {batch / native:>13.1f} "
-              f"{batch / many_s:>14.1f} {worst:>9.1e}")
-        for lane in range(2 * batch):
+        native, many_s, unpacked = (statistics.median(t) for t in times)
+        print(f"{batch:>5} {native * 1e3:>10.1f} {many_s * 1e3:>11.1f} {unpacked * 1e3:>12.1f} "
+              f"{batch / native:>13.1f} {batch / many_s:>14.1f} {worst:>9.1e}")
+        for lane in range(3 * batch):
             loaded.state.wipe_pool(0, args.context + 3 * batch + 2 * args.runs + 2, lane)
 
 

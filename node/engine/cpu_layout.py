@@ -3,14 +3,25 @@
 `nn.Linear` keeps `[out, in]` and multiplies by its transpose; on one CPU thread the few-token matmuls of
 a resumed prefill run about 1.5x faster against a contiguous `[in, out]` weight (measured: 32 x 512 x 1376,
 95 versus 152 GFLOP/s), which takes about 15% off the time to first token of a reused prompt. The swap
-replaces each layer's weight rather than copying it, so memory stays the same. Tied weights (an output
-head sharing the embedding) are left alone.
+replaces each layer's weight rather than copying it. Tied weights (an output head sharing the embedding) are
+left alone.
+
+Inputs of two rows or more (a batched decode step, a prefill chunk) run on a second copy of the weight that
+oneDNN packed at load, through torch's own `mkldnn._linear_pointwise`: measured on the default model, one
+thread, a decode step of 8 sequences at 1.2k tokens 57 -> 48 ms and a 256-token prefill chunk 213 -> 197 ms;
+for one row the transposed weight stays faster (5.8 against 7.5 ms for all of the model's linear layers). The
+copy doubles the memory of the linear layers (166 MB on the default model).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+PACKED = torch.backends.mkldnn.is_available()
+"""Whether linear layers also keep a oneDNN-packed copy of their weight, for inputs of two rows or more."""
+PACK_ROWS_HINT = 32
+"""The rows oneDNN lays the packed weight out for; it serves any number."""
 
 
 class TransposedLinear(nn.Module):
@@ -19,6 +30,14 @@ class TransposedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
         self.bias = linear.bias
+        self.packed: torch.Tensor | None = None
+        self.repack()
+
+    def repack(self) -> None:
+        """Pack the weight for oneDNN again (after it was changed in place: the packed copy does not follow)."""
+        weight = self.weight.detach()
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
+                       if PACKED and weight.dtype == torch.float32 and weight.device.type == "cpu" else None)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -27,10 +46,15 @@ class TransposedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x`: `[..., in]` -> `[..., out]`."""
-        out = x.reshape(-1, self.in_features) @ self.weight_t
+        rows = x.reshape(-1, self.in_features)
+        if self.packed is not None and rows.shape[0] > 1:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+            return out.reshape(*x.shape[:-1], self.out_features)
+        out = rows @ self.weight_t
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
 
 
 def transpose_linear_weights(model: nn.Module) -> int:

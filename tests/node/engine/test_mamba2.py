@@ -22,6 +22,7 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 from node.engine import mamba2
+from node.engine.cpu_layout import TransposedLinear
 from node.engine.loader import load_model
 from node.engine.synthetic import SIZES, init_model
 from tests.node.engine.model_calls import forward, prefill
@@ -48,6 +49,9 @@ def make_state_matter(model: Any) -> None:
                 module.dt_bias.copy_(torch.linspace(-9.0, -2.0, module.num_heads))  # across the tiny models' clamps
                 module.in_proj.weight.mul_(10)  # a view of the CPU layout's transposed weight: scaled in place
                 module.out_proj.weight.mul_(10)
+                for projection in (module.in_proj, module.out_proj):
+                    if isinstance(projection, TransposedLinear):
+                        projection.repack()  # its oneDNN-packed copy, which inputs of several rows run on
 
 
 class Pair:
