@@ -280,10 +280,6 @@ class ModelStateAdapter:
         if not keep and last is not None and not all(isinstance(layer, GrowableKVLayer) for layer in last.layers):
             del self._last[lane]  # its sliding-window and recurrent tensors are not hot state either
 
-    def lane_bytes(self) -> dict[int, int]:
-        """Bytes of working buffers each lane holds (for `GET /v1/node`)."""
-        return {lane: pool.nbytes for lane, pool in self._pools.items()}
-
     def materialize(self, cache: DynamicCache) -> None:
         """Copy restored pieces held by reference into the working buffers (see `GrowableKVLayer.defer`)."""
         for layer in cache.layers:

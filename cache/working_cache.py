@@ -51,10 +51,6 @@ class BufferPool:
     def held(self, slot: int) -> torch.Tensor | None:
         return self._buffers.get(slot)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
-
     @torch.inference_mode()
     def zero_rows(self, start: int, end: int) -> None:
         """Zero token rows `[start, end)` of every buffer."""

@@ -74,11 +74,14 @@ class BatchedDecode:
         configs = {id(c): c for m in model.modules() if isinstance(c := getattr(m, "config", None), PretrainedConfig)}
         self._configs = list(configs.values())
         self._implementations = [config._attn_implementation for config in self._configs]
+        self._implementation_of = {id(config): name for config, name in zip(self._configs, self._implementations,
+                                                                             strict=True)}
+        """Each config's own attention implementation, which a batched step switches away from."""
         self._eager: dict[type, Callable[..., Any]] = {}
 
     def _inner(self, module: Any) -> Callable[..., Any]:
         """The attention function `module` runs outside a batched step."""
-        name = module.config._attn_implementation_before_rows
+        name = self._implementation_of[id(module.config)]
         if name in (None, "eager"):
             kind = type(module)
             if kind not in self._eager:
@@ -92,9 +95,8 @@ class BatchedDecode:
         """Run one token per sequence (`tokens[b]` at `positions[b]` into `caches[b]`); returns the logits
         `[B, vocab]` in float32."""
         _STEP.rows = RowsCache(caches, self._inner)
-        for config, name in zip(self._configs, self._implementations, strict=True):
+        for config in self._configs:
             # transformers builds no mask for an implementation it has no mask function for.
-            config._attn_implementation_before_rows = name
             config._attn_implementation_internal = ROWS
         try:
             out = self._model(input_ids=torch.tensor(tokens, device=device).unsqueeze(1),

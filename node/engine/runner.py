@@ -2,8 +2,8 @@
 
 Each request is a `Running` sequence in a lane of working buffers: restore the leased prefix state, prefill the rest
 of the prompt in chunks, decode, feed the last generated token so the reply's state is complete, and store
-the new state for the caller. The scheduler runs many sequences together: a chunk of one sequence's prefill
-and one decode step of every decoding sequence per step (`decode`, batched where the model allows: see
+the new state for the caller. The scheduler runs many sequences together: per step, prefill chunks of some
+(`prefill`) and one decode step of every decoding sequence (`decode`, batched where the model allows: see
 `batch_forward.py` and BATCHING.md); `generate` runs one sequence alone.
 """
 
@@ -211,7 +211,7 @@ class Runner:
             self.prefill(seq)
         assert seq.prediction is not None
         logits = seq.prediction.logits()
-        self._end(seq)
+        self.release(seq)
         self._store(seq.lane, scope, prompt, seq.cache, seq.snapshots)
         return logits, seq.restored
 
@@ -408,18 +408,15 @@ class Runner:
         elif len(seq.output) >= params.max_tokens:
             seq.finish_reason = "length"
 
-    def _end(self, seq: Running) -> None:
-        """`seq` leaves its lane: the state it opened elsewhere is zeroed, the rows it wrote are counted."""
+    def release(self, seq: Running) -> None:
+        """`seq` leaves its lane (ended, or failed: then nothing of it is stored): the state it opened elsewhere
+        is zeroed, the rows it wrote are counted."""
         self._live.pop(seq.lane, None)
         for tensor in seq.scratch:
             tensor.zero_()
         seq.scratch.clear()
         written = seq.position + len(seq.output)
         self._dirty[seq.lane] = max(self._dirty.get(seq.lane, 0), written)
-
-    def abort(self, seq: Running) -> None:
-        """`seq` failed: it leaves its lane with nothing stored."""
-        self._end(seq)
 
     @torch.inference_mode()
     def finish(self, seq: Running) -> GenerationResult:
@@ -428,7 +425,7 @@ class Runner:
         tail = seq.detok.flush()
         if tail:
             seq.emit(tail)
-        self._end(seq)
+        self.release(seq)
         fed = prompt + output
         matched = min(max(seq.matched, seq.restored), len(prompt) - 1)
         if not (request.retain and self.keeps_state) or seq.discard:
@@ -467,6 +464,6 @@ class Runner:
                 else:
                     self.decode([seq])
         except BaseException:
-            self.abort(seq)
+            self.release(seq)
             raise
         return self.finish(seq)

@@ -237,7 +237,7 @@ class Scheduler:
                 self._guarded(lambda: self.runner.expire(self.ttl_of))
                 self._guarded(lambda: self.runner.settle(stop=lambda: self._waiting > 0))  # what a busy spell left
         for job, seq in self._running:  # stopping
-            self.runner.abort(seq)
+            self.runner.release(seq)
             job.post(Failed(asyncio.CancelledError()))
         self._running.clear()
 
@@ -285,7 +285,7 @@ class Scheduler:
             try:
                 result = self.runner.finish(seq)
             except Exception as exc:  # noqa: BLE001
-                self.runner.abort(seq)
+                self.runner.release(seq)
                 self._failed(job, exc)
             else:
                 job.post(Finished(result))
@@ -296,7 +296,7 @@ class Scheduler:
     def _drop(self, failed: list[tuple[Job, Running]], exc: Exception) -> None:
         for job, seq in failed:
             self._running.remove((job, seq))
-            self.runner.abort(seq)
+            self.runner.release(seq)
             self._failed(job, exc)
 
     @staticmethod
