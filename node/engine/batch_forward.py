@@ -8,6 +8,13 @@ sequence's own cache layer, and the attention function attends each row's query 
 returns, through transformers' own SDPA attention. Nothing is padded and no history is copied; the result
 is each sequence's own decode step (logits within float32 noise of running it alone, see BATCHING.md).
 
+Sequences of one caller often hold the same first rows (one system prompt, restored from one stored span or
+computed alike): `equal_rows` finds how many, bit for bit, and a step given such a group (`Shared`) attends the
+group's queries over those rows once, from one member's buffers, and each member's query over its own rest,
+merging the two parts by their log-sum-exp. The shared rows are then read once per step instead of once per
+sequence, which is what bounds a step of many sequences over long histories. Groups never span scopes: the
+runner forms them from one caller's sequences only.
+
 It applies to models whose every cache layer is attention (full or sliding-window): recurrent layers keep
 their state in the layer object, one per sequence, and step one sequence at a time (`batchable`).
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +33,14 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from cache.working_cache import GrowableKVLayer
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+"""SDPA's CPU flash kernel, which also returns each query's log-sum-exp (what merging two parts needs)."""
+_NEUTRAL = {"dropout": 0.0, "sliding_window": None, "softcap": None, "s_aux": None, "position_bias": None}
+"""Attention arguments a shared-rows attention takes only at these values (the rest are positions, or flags of
+no effect on one query); with any other value, or one it does not know, rows attend one by one."""
+_HARMLESS = frozenset({"scaling", "position_ids", "cache_position", "output_attentions", "output_router_logits",
+                       "use_cache", "is_causal"})
 
 ROWS = "tenzro_rows"
 """The attention implementation a batched decode step switches the model's configs to."""
@@ -37,11 +53,17 @@ class RowsCache:
     update writes row b's new keys and values into `caches[b]`'s layer and keeps what that layer returns (its
     whole history) for the attention function."""
 
-    def __init__(self, caches: Sequence[DynamicCache], inner: Callable[[Any], Callable[..., Any]]) -> None:
+    def __init__(self, caches: Sequence[DynamicCache], inner: Callable[[Any], Callable[..., Any]],
+                 sdpa: Callable[[Any], bool], shared: Sequence[Shared] = ()) -> None:
         self.caches = caches
         self.inner = inner
         """The model's own attention function for a module."""
+        self.sdpa = sdpa
+        """Whether a module's own attention function is SDPA (which the shared rows' attention reproduces)."""
+        self.shared = shared
         self.history: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.shared_rows = 0
+        """Row-layers whose shared rows were read once for their group in this step."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,16 +73,73 @@ class RowsCache:
         return key_states, value_states
 
 
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """Rows of a step's batch (`members`, two or more, of one scope) whose full-attention layers hold the same
+    first `length` rows bit for bit."""
+
+    members: tuple[int, ...]
+    length: int
+
+
 def _rows_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """Each row's one query over its own history, by the model's own attention function, without a mask: one
-    query attends to every key its layer returns, as when the sequence runs alone."""
+    query attends to every key its layer returns, as when the sequence runs alone. Groups of rows with shared
+    first rows attend those once (`_attend_shared`) where the layer is full attention by plain SDPA."""
     step: RowsCache = _STEP.rows
     inner = step.inner(module)
     rows = step.history.pop(module.layer_idx)
-    outputs = [inner(module, query[row:row + 1], keys, values, None, *args, **kwargs)[0]
-               for row, (keys, values) in enumerate(rows)]
-    return torch.cat(outputs), None
+    outputs: list[torch.Tensor | None] = [None] * len(rows)
+    if step.shared and _shares(step, module, args, kwargs):
+        for group in step.shared:
+            merged = _attend_shared(query, rows, group, kwargs.get("scaling"))
+            for member, output in zip(group.members, merged, strict=True):
+                outputs[member] = output.unsqueeze(0)
+            step.shared_rows += len(group.members)
+    for row, (keys, values) in enumerate(rows):
+        if outputs[row] is None:
+            outputs[row] = inner(module, query[row:row + 1], keys, values, None, *args, **kwargs)[0]
+    return torch.cat(outputs), None  # type: ignore[arg-type]
+
+
+def _shares(step: RowsCache, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this layer's attention is what `_attend_shared` computes: plain SDPA of full attention."""
+    if args or not step.sdpa(module):
+        return False
+    if not all(type(cache.layers[module.layer_idx]) is GrowableKVLayer for cache in step.caches):
+        return False
+    return all(name in _HARMLESS or (name in _NEUTRAL and value == _NEUTRAL[name]) for name, value in kwargs.items())
+
+
+def _attend_shared(query: torch.Tensor, history: list[tuple[torch.Tensor, torch.Tensor]], group: Shared,
+                   scale: float | None) -> torch.Tensor:
+    """Attention of the group's queries (`query` `[B, heads, 1, head_dim]`) over their histories, whose first
+    `group.length` rows are the same: those rows once for all the group's queries, each member's own rest
+    alone, the two parts merged by their log-sum-exp. Returns `[members, 1, heads, head_dim]`, the layout the
+    model's attention functions return."""
+    keys, values = history[group.members[0]]
+    size, heads, head_dim = len(group.members), query.shape[1], query.shape[-1]
+    kv_heads = keys.shape[1]
+    per_kv = heads // kv_heads  # query heads sharing one key/value head: they attend as more queries of it
+    queries = query[list(group.members)].reshape(size, kv_heads, per_kv, head_dim)
+    length = group.length
+    first, first_lse = _FLASH(queries.transpose(0, 1).reshape(1, kv_heads, size * per_kv, head_dim),
+                              keys[:, :, :length], values[:, :, :length], 0.0, False, scale=scale)
+    first = first.reshape(kv_heads, size, per_kv, head_dim).transpose(0, 1)
+    first_lse = first_lse.reshape(kv_heads, size, per_kv).transpose(0, 1)
+    rest, rest_lse = [], []
+    for index, member in enumerate(group.members):
+        own_keys, own_values = history[member]
+        out, lse = _FLASH(queries[index:index + 1], own_keys[:, :, length:], own_values[:, :, length:], 0.0, False,
+                          scale=scale)
+        rest.append(out)
+        rest_lse.append(lse)
+    second, second_lse = torch.cat(rest), torch.cat(rest_lse)  # [members, kv_heads, per_kv, head_dim (, -)]
+    top = torch.maximum(first_lse, second_lse)
+    first_weight, second_weight = (first_lse - top).exp_().unsqueeze(-1), (second_lse - top).exp_().unsqueeze(-1)
+    merged = (first * first_weight + second * second_weight) / (first_weight + second_weight)
+    return merged.reshape(size, 1, heads, head_dim)
 
 
 AttentionInterface.register(ROWS, _rows_attention)
@@ -78,6 +157,11 @@ class BatchedDecode:
                                                                              strict=True)}
         """Each config's own attention implementation, which a batched step switches away from."""
         self._eager: dict[type, Callable[..., Any]] = {}
+        self.shared_rows = 0
+        """Row-layers whose shared rows were attended once for their group, over all steps."""
+
+    def _sdpa(self, module: Any) -> bool:
+        return self._implementation_of[id(module.config)] == "sdpa"
 
     def _inner(self, module: Any) -> Callable[..., Any]:
         """The attention function `module` runs outside a batched step."""
@@ -91,10 +175,10 @@ class BatchedDecode:
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], positions: Sequence[int], caches: Sequence[DynamicCache],
-             device: torch.device) -> torch.Tensor:
-        """Run one token per sequence (`tokens[b]` at `positions[b]` into `caches[b]`); returns the logits
-        `[B, vocab]` in float32."""
-        _STEP.rows = RowsCache(caches, self._inner)
+             device: torch.device, shared: Sequence[Shared] = ()) -> torch.Tensor:
+        """Run one token per sequence (`tokens[b]` at `positions[b]` into `caches[b]`), attending each group
+        of `shared` rows once for its members; returns the logits `[B, vocab]` in float32."""
+        rows = _STEP.rows = RowsCache(caches, self._inner, self._sdpa, shared)
         for config in self._configs:
             # transformers builds no mask for an implementation it has no mask function for.
             config._attn_implementation_internal = ROWS
@@ -104,6 +188,7 @@ class BatchedDecode:
                               cache=_STEP.rows, use_cache=True, logits_to_keep=1)
         finally:
             _STEP.rows = None
+            self.shared_rows += rows.shared_rows
             for config, name in zip(self._configs, self._implementations, strict=True):
                 config._attn_implementation_internal = name
         return out.logits[:, -1].float()
@@ -117,6 +202,30 @@ def batch_blocker(model: Any) -> str | None:
     if kinds:
         return f"layers of kind {', '.join(kinds)} keep per-sequence state objects: one sequence per forward"
     return None
+
+
+@torch.inference_mode()
+def equal_rows(first: DynamicCache, second: DynamicCache, limit: int) -> int:
+    """How many of the first `limit` rows every full-attention layer of the two working caches holds bit for
+    bit (0 where either has other layers); both are materialized."""
+    equal = limit
+    for mine, theirs in zip(first.layers, second.layers, strict=True):
+        if type(mine) is not GrowableKVLayer or type(theirs) is not GrowableKVLayer:
+            if isinstance(mine, DynamicSlidingWindowLayer) and isinstance(theirs, DynamicSlidingWindowLayer):
+                continue  # sliding layers attend their own window tail, never shared rows
+            return 0
+        mine.materialize()
+        theirs.materialize()
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            if a is None or b is None:
+                return 0
+            equal = min(equal, a.shape[2], b.shape[2])
+            if equal == 0:
+                return 0
+            differs = (a[:, :, :equal] != b[:, :, :equal]).any(dim=3).any(dim=1).any(dim=0)
+            if bool(differs.any()):
+                equal = int(differs.nonzero()[0, 0])
+    return equal
 
 
 def batchable(cache: DynamicCache) -> bool:

@@ -22,7 +22,7 @@ from cache.arena import Borrowed, Scope, SealCost, SealedEntryError, StateArena
 from cache.prefix_cache import PrefixCache, StoreResult, belongs_to
 from cache.radix_tree import common_prefix_length
 from cache.snapshot_policy import SnapshotPolicy
-from node.engine.batch_forward import BatchedDecode, batch_blocker, batchable
+from node.engine.batch_forward import BatchedDecode, Shared, batch_blocker, batchable, equal_rows
 from node.engine.detokenizer import Detokenizer
 from node.engine.loader import LoadedModel
 from node.engine.prediction import Logits, Prediction
@@ -122,6 +122,25 @@ class Running:
         return self.stops[0] - self.position if self.stops else 0
 
 
+SHARED_ROWS_MIN = 256
+"""Fewest shared first rows for which sequences attend them together (`Kin`): below, a step saves less than the
+extra attention call and merge cost."""
+
+
+@dataclass(eq=False)
+class Kin:
+    """Decoding sequences of one scope whose full-attention layers hold the same first rows. `rows[lane]`: how
+    many, for the member in that lane; every member agrees with every other on the fewer of their two counts.
+    A batched decode step attends those rows once for all members in it (`batch_forward.Shared`)."""
+
+    scope: Scope
+    rows: dict[int, int]
+
+    def holder(self) -> int:
+        """The lane of the member holding the most shared rows."""
+        return max(self.rows, key=lambda lane: self.rows[lane])
+
+
 class Runner:
     def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache | None, prefill_chunk: int = 1024,
                  policy: SnapshotPolicy | None = None, seal_cost: SealCost | None = None) -> None:
@@ -151,6 +170,8 @@ class Runner:
         """Per lane, rows of its working buffers written since they were last wiped."""
         self._live: dict[int, Running] = {}
         """Running sequences by lane."""
+        self._kin: dict[int, Kin] = {}
+        """By lane, the group of same-scope sequences whose first rows the lane's sequence shares (`_join`)."""
         self._batched = BatchedDecode(loaded.model)
         self.batching = batch_blocker(loaded.model)
         """Why decode steps of several sequences cannot run as one forward on this model (None: they do)."""
@@ -163,7 +184,8 @@ class Runner:
         """For `GET /v1/node`: whether decode steps are batched (and why not), and how they ran so far."""
         return {"batched_decode": self.batching is None, "reason": self.batching or "every layer is attention",
                 "prefill_chunk": self.prefill_chunk, "decode_steps": self.decode_steps,
-                "batched_steps": self.batched_steps, "largest_batch": self.largest_batch}
+                "batched_steps": self.batched_steps, "largest_batch": self.largest_batch,
+                "shared_rows": self._batched.shared_rows}
 
     def sealing_state(self) -> dict[str, Any]:
         """For `GET /v1/node`: whether stored state is sealed, how, and what the tiers hold now."""
@@ -373,7 +395,8 @@ class Runner:
             self.largest_batch = max(self.largest_batch, len(seqs))
             tokens = [seq.output[-1] for seq in seqs]
             positions = [len(seq.request.prompt) + len(seq.output) - 1 for seq in seqs]
-            logits = self._batched.step(tokens, positions, [seq.cache for seq in seqs], self.loaded.device)
+            logits = self._batched.step(tokens, positions, [seq.cache for seq in seqs], self.loaded.device,
+                                        self._shared(seqs))
             for row, seq in enumerate(seqs):
                 seq.prediction = Logits(logits[row])
         else:
@@ -382,6 +405,40 @@ class Runner:
                                                      seq.cache)
         for seq in seqs:
             self._choose(seq)
+
+    def _shared(self, seqs: Sequence[Running]) -> list[Shared]:
+        """The groups of `seqs` (rows of a batched step) that hold the same first rows, each with the rows all
+        its members in the step share."""
+        row_of = {seq.lane: row for row, seq in enumerate(seqs)}
+        for seq in seqs:
+            if seq.lane not in self._kin:
+                self._join(seq)
+        groups = {id(kin): kin for kin in (self._kin[seq.lane] for seq in seqs)}.values()
+        shared = []
+        for kin in groups:
+            present = [lane for lane in kin.rows if lane in row_of]
+            if len(present) > 1:
+                shared.append(Shared(tuple(row_of[lane] for lane in present), min(kin.rows[lane] for lane in present)))
+        return shared
+
+    def _join(self, seq: Running) -> None:
+        """Put a sequence that starts decoding into the group of its scope whose first rows it holds too (at
+        least SHARED_ROWS_MIN, compared value for value with the group's holder), else into a new group. Only
+        sequences of one scope are ever compared."""
+        scope, prompt = seq.request.scope, seq.request.prompt
+        for kin in {id(kin): kin for kin in self._kin.values() if kin.scope == scope}.values():
+            holder = self._live[kin.holder()]
+            assert holder.request.scope == scope
+            limit = min(common_prefix_length(tuple(holder.request.prompt), tuple(prompt)), kin.rows[holder.lane],
+                        seq.position)
+            if limit < SHARED_ROWS_MIN:
+                continue
+            rows = equal_rows(holder.cache, seq.cache, limit)
+            if rows >= SHARED_ROWS_MIN:
+                kin.rows[seq.lane] = rows
+                self._kin[seq.lane] = kin
+                return
+        self._kin[seq.lane] = Kin(scope, {seq.lane: seq.position})
 
     def _choose(self, seq: Running) -> None:
         """Sample the next token from `seq.prediction`, hand out its text, and see whether the reply ends."""
@@ -412,6 +469,9 @@ class Runner:
         """`seq` leaves its lane (ended, or failed: then nothing of it is stored): the state it opened elsewhere
         is zeroed, the rows it wrote are counted."""
         self._live.pop(seq.lane, None)
+        kin = self._kin.pop(seq.lane, None)
+        if kin is not None:
+            del kin.rows[seq.lane]
         for tensor in seq.scratch:
             tensor.zero_()
         seq.scratch.clear()

@@ -1,7 +1,8 @@
 """Many requests at once through the real scheduler: each one's output equals its output when run alone.
 
 Four callers with prompts of different lengths and resume points run together; dense, sliding-window and
-MoE models run their decode steps as one batched forward (counted), hybrids one sequence per forward. A long
+MoE models run their decode steps as one batched forward (counted), hybrids one sequence per forward. One
+caller's sequences over one system prompt attend its rows once per step, and other callers' never. A long
 prompt does not hold back a short request that arrives while it prefills, and more requests than lanes all
 complete.
 """
@@ -15,9 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from cache.arena import Scope, new_prefix_cache
 from cache.budget import CacheBudget
+from cache.working_cache import GrowableKVLayer
+from node.engine.batch_forward import BatchedDecode, Shared, equal_rows
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, GenerationResult, Runner
 from node.engine.sampling import SamplingParams
@@ -156,3 +160,70 @@ async def test_requests_that_end_in_the_same_step_keep_their_state(small_model_d
     results = await run_together(runner, follow)
     assert [result.output_ids for result in results] == expected
     assert [result.cached_read_tokens for result in results] == [64, 64]  # prompt and reply
+
+
+def one_callers_requests(model: str, scope: str | None = None) -> list[GenerationRequest]:
+    """Four requests over one 300-token system prompt, each with its own question; one scope unless `scope` is
+    None (then one scope each)."""
+    system = tokens(99, 300)
+    return [GenerationRequest(Scope(scope or f"caller-{i}", model), system + tokens(i, 5 + 7 * i),
+                              SamplingParams(max_tokens=8, temperature=0.0)) for i in range(4)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2-moe", "gemma3"])
+async def test_one_callers_sequences_attend_their_shared_rows_once(family: str, tmp_path: Path) -> None:
+    loaded = load_model(family, init_model(family, tmp_path / family, size="small"))
+    batch = one_callers_requests(loaded.model_id, scope="agent")
+    alone = Runner(loaded, None)
+    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+    runner = reuse_runner(loaded)
+    results = await run_together(runner, batch)
+    assert [result.output_ids for result in results] == expected
+    assert runner.engine_state()["shared_rows"] > 0
+
+
+async def test_different_callers_never_share_rows(small_model_dir: Path) -> None:
+    """The same system prompt from four callers: each attends its own copy."""
+    loaded = load_model("small", small_model_dir)
+    runner = reuse_runner(loaded)
+    await run_together(runner, one_callers_requests(loaded.model_id))
+    state = runner.engine_state()
+    assert state["largest_batch"] == 4 and state["shared_rows"] == 0
+
+
+def prefilled(loaded: LoadedModel, prompt: list[int], lane: int) -> DynamicCache:
+    assert loaded.state is not None
+    cache = loaded.state.new_cache(len(prompt) + 8, lane=lane)[0]
+    for start in range(0, len(prompt), 64):  # the same chunks for every prompt: the same rows for the same tokens
+        loaded.forward(prompt[start:start + 64], start, cache)
+    return cache
+
+
+def test_equal_rows_counts_the_rows_held_value_for_value(small_model_dir: Path) -> None:
+    loaded = load_model("small", small_model_dir)
+    system = tokens(99, 300)
+    first, second = prefilled(loaded, system + tokens(1, 20), 0), prefilled(loaded, system + tokens(2, 30), 1)
+    assert equal_rows(first, second, 320) == 300
+    assert equal_rows(first, second, 200) == 200
+    layer = second.layers[1]
+    assert isinstance(layer, GrowableKVLayer) and layer.values is not None
+    with torch.inference_mode():
+        layer.values[0, 1, 123, 5] += 1.0
+    assert equal_rows(first, second, 320) == 123
+
+
+def test_a_step_over_shared_rows_gives_each_sequence_its_own_logits(small_model_dir: Path) -> None:
+    """One batched step with its group's rows shared, against the same step with none: logits within float32
+    noise (the parts merged by log-sum-exp), the same greedy tokens."""
+    loaded = load_model("small", small_model_dir)
+    system = tokens(99, 300)
+    prompts = [system + tokens(i, 9 + 13 * i) for i in range(3)]
+    steps = BatchedDecode(loaded.model)
+    logits = []
+    for shared in ((), (Shared((0, 2), 300), )):
+        caches = [prefilled(loaded, prompt, lane) for lane, prompt in enumerate(prompts)]
+        logits.append(steps.step([5, 6, 7], [len(prompt) for prompt in prompts], caches, loaded.device, shared))
+    assert steps.shared_rows == 2 * 2  # two members, both layers
+    scale = logits[0].abs().max()
+    assert float((logits[0] - logits[1]).abs().max() / scale) < 1e-5
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
