@@ -18,6 +18,11 @@ FRESH_BUFFER_HOOKS: list[Callable[[int, int], object]] = []
 dumps (`node.hygiene.exclude_from_dumps`); this package cannot import the node."""
 
 
+ROWS_GRAIN = 512
+"""Buffers hold a multiple of this many token rows: a lane whose requests grow by a turn at a time (a chat
+re-sent with one more exchange) reallocates, and page-faults, once per grain, not on every request."""
+
+
 class BufferPool:
     """Working buffers kept between requests, so each request does not page-fault fresh memory.
 
@@ -37,7 +42,8 @@ class BufferPool:
         held = self._buffers.get(slot)
         if (held is None or held.dtype != like.dtype or held.device != like.device
                 or held.shape[:2] + held.shape[3:] != shape[:2] + shape[3:] or held.shape[2] < shape[2]):
-            fresh = like.new_empty(shape)
+            rows = -(-shape[2] // ROWS_GRAIN) * ROWS_GRAIN
+            fresh = like.new_empty((*shape[:2], rows, *shape[3:]))
             for hook in FRESH_BUFFER_HOOKS:
                 hook(fresh.data_ptr(), fresh.numel() * fresh.element_size())
             if keep and held is not None:

@@ -22,6 +22,7 @@ from cache.arena import Borrowed, Scope, SealCost, SealedEntryError, StateArena
 from cache.prefix_cache import PrefixCache, StoreResult, belongs_to
 from cache.radix_tree import common_prefix_length
 from cache.snapshot_policy import SnapshotPolicy
+from cache.working_cache import GrowableKVLayer
 from node.engine.batch_forward import BatchedDecode, Shared, batch_blocker, batchable, equal_rows
 from node.engine.detokenizer import Detokenizer
 from node.engine.loader import LoadedModel
@@ -60,7 +61,8 @@ class GenerationRequest:
 class GenerationResult:
     prompt_tokens: int
     cached_read_tokens: int
-    """Prompt tokens restored from stored state instead of computed."""
+    """Prompt tokens restored from stored state, or copied from a running request of the same caller, instead
+    of computed."""
     cached_write_tokens: int
     """Prompt tokens computed by this request and now held for reuse."""
     output_ids: list[int]
@@ -88,6 +90,7 @@ class Running:
     started: float
     cache: DynamicCache
     restored: int
+    """Prompt tokens restored from stored state, or copied from `donor`, instead of computed."""
     matched: int
     stops: list[int]
     """Where the prefill's chunks end, in order: every snapshot position and every `prefill_chunk` tokens."""
@@ -107,6 +110,9 @@ class Running:
     ttft: float = 0.0
     discard: bool = False
     """Its caller went while it ran: nothing of it is stored."""
+    donor: tuple[Running, int] | None = None
+    """A running request of the same caller whose prompt starts with the same `[1]` tokens and which computes them
+    ahead of this one: this one copies its rows instead of computing them (`Runner.follow`)."""
 
     @property
     def prefilling(self) -> bool:
@@ -122,6 +128,8 @@ class Running:
         return self.stops[0] - self.position if self.stops else 0
 
 
+FOLLOW_MIN = 64
+"""Fewest prompt tokens a request copies from a running request of its caller rather than computes."""
 SHARED_ROWS_MIN = 256
 """Fewest shared first rows for which sequences attend them together (`Kin`): below, a step saves less than the
 extra attention call and merge cost."""
@@ -139,6 +147,10 @@ class Kin:
     def holder(self) -> int:
         """The lane of the member holding the most shared rows."""
         return max(self.rows, key=lambda lane: self.rows[lane])
+
+
+def _full_attention(cache: DynamicCache) -> bool:
+    return all(type(layer) is GrowableKVLayer for layer in cache.layers)
 
 
 class Runner:
@@ -242,10 +254,11 @@ class Runner:
             return []
         return self.policy.prompt_positions(start, len(prompt), boundaries, branch=matched if matched > start else 0)
 
-    def _restore(self, scope: Scope, prompt: list[int], capacity: int, lane: int
-                 ) -> tuple[DynamicCache, int, int, list[torch.Tensor]]:
+    def _restore(self, scope: Scope, prompt: list[int], capacity: int, lane: int,
+                 donor: tuple[Running, int] | None = None) -> tuple[DynamicCache, int, int, list[torch.Tensor]]:
         """A working cache in `lane` resumed at the deepest resume point; (cache, its length, tokens matched,
-        state opened outside the lane's buffers)."""
+        state opened outside the lane's buffers). Rows that `donor` (a running request of the scope whose
+        prompt agrees with `prompt` for `donor[1]` tokens) holds are copied from it rather than opened."""
         state = self.loaded.state
         hot = self._hot[1:] if self._hot is not None and self._hot[0] == lane else None
         if hot is not None:
@@ -265,6 +278,10 @@ class Runner:
                 # it covers needs no copy.
                 warm = min(common_prefix_length(hot[1], tuple(prompt)), lease.length) if hot and hot[0] == scope else 0
                 cache, adopted = state.new_cache(capacity, adopt=warm, lane=lane)
+                if donor is not None and min(donor[1], donor[0].position, lease.length) > adopted:
+                    # Another request of this caller holds these rows in plaintext: a copy, not an opening.
+                    adopted = self._copy_rows(donor[0], cache, adopted, min(donor[1], donor[0].position,
+                                                                            lease.length), lane)
                 self.arena.restore(state, cache, lease.spans, skip=adopted, snapshot=lease.snapshot,
                                    position=lease.length)
                 return cache, lease.length, lease.matched, self._opened(lane)
@@ -359,8 +376,9 @@ class Runner:
         assert lane not in self._live, "a lane runs one sequence at a time"
         started = time.perf_counter()
         params, prompt = request.params, request.prompt
+        donor = self._donor(request)
         cache, restored, matched, scratch = self._restore(request.scope, prompt, len(prompt) + params.max_tokens,
-                                                          lane)
+                                                          lane, donor)
         snapshot_at = self._snapshot_plan(prompt, request.boundaries, restored, matched)
         stops = sorted(set(snapshot_at) | set(range(restored + self.prefill_chunk, len(prompt), self.prefill_chunk))
                        | {len(prompt)})
@@ -369,10 +387,58 @@ class Runner:
                        stops=[stop for stop in stops if stop > restored], wanted=frozenset(snapshot_at),
                        sampler=Sampler(params), detok=Detokenizer(self.loaded.tokenizer, params.stop),
                        scratch=scratch, position=restored)
+        if donor is not None and donor[1] >= restored + FOLLOW_MIN:
+            seq.donor = donor  # it computes more of this prompt than was stored: `follow` copies it
         self._live[lane] = seq
         if not sample:
             seq.finish_reason = "length"  # prompt_logits: the prompt's logits, no reply
         return seq
+
+    def _donor(self, request: GenerationRequest) -> tuple[Running, int] | None:
+        """The running request of `request`'s scope whose prompt agrees with `request`'s the longest (at least
+        FOLLOW_MIN tokens, at most all but the last), with how far; None where rows cannot be copied between
+        requests (layers other than full attention, snapshots to take, reuse off, retention none)."""
+        if self.prefix_cache is None or self._takes_snapshots or not request.retain:
+            return None
+        prompt, best = tuple(request.prompt), None
+        reach = FOLLOW_MIN
+        for other in self._live.values():
+            if other.request.scope != request.scope or not other.request.retain or not _full_attention(other.cache):
+                continue
+            common = min(common_prefix_length(tuple(other.request.prompt), prompt), len(prompt) - 1)
+            if common >= reach:
+                best, reach = other, common + 1
+        return None if best is None else (best, reach - 1)
+
+    @torch.inference_mode()
+    def follow(self, seq: Running) -> bool:
+        """Copy into `seq` the rows its donor has computed of their common prompt; True while the donor is still
+        computing more of it (`seq` then waits rather than computes them), False when `seq` goes on alone."""
+        if seq.donor is None:
+            return False
+        donor, common = seq.donor
+        if self._live.get(donor.lane) is not donor:  # it ended
+            seq.donor = None
+            return False
+        end = min(common, donor.position)
+        if end > seq.position:
+            seq.position = seq.restored = self._copy_rows(donor, seq.cache, seq.position, end, seq.lane)
+            seq.stops = [stop for stop in seq.stops if stop > end]
+        if seq.position >= common or not donor.prefilling:
+            seq.donor = None
+            return False
+        return True
+
+    def _copy_rows(self, donor: Running, cache: DynamicCache, start: int, end: int, lane: int) -> int:
+        """Append rows `[start, end)` of `donor`'s working cache (same scope, same tokens there) to `cache`, which
+        holds `start` rows, in `lane`; returns `end`."""
+        for mine, theirs in zip(cache.layers, donor.cache.layers, strict=True):
+            assert isinstance(mine, GrowableKVLayer) and isinstance(theirs, GrowableKVLayer)
+            theirs.materialize()
+            assert mine.get_seq_length() == start and theirs.keys is not None and theirs.values is not None
+            mine.update(theirs.keys[:, :, start:end], theirs.values[:, :, start:end])
+        self._dirty[lane] = max(self._dirty.get(lane, 0), end)
+        return end
 
     @torch.inference_mode()
     def prefill(self, seq: Running) -> None:
@@ -469,6 +535,7 @@ class Runner:
         """`seq` leaves its lane (ended, or failed: then nothing of it is stored): the state it opened elsewhere
         is zeroed, the rows it wrote are counted."""
         self._live.pop(seq.lane, None)
+        seq.donor = None
         kin = self._kin.pop(seq.lane, None)
         if kin is not None:
             del kin.rows[seq.lane]

@@ -260,9 +260,19 @@ class Scheduler:
         for job, seq in self._running:
             if seq.prefilling and not seq.done and job.cancel_event.is_set():
                 seq.finish_reason = "cancelled"
+        # Requests whose prompt another request of their caller is computing copy its rows and wait for more.
+        following = set()
+        for job, seq in list(self._running):
+            if seq.prefilling and not seq.done:
+                try:
+                    if self.runner.follow(seq):
+                        following.add(seq)
+                except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                    self._drop([(job, seq)], exc)
         # Prefill chunks, the prefilling requests taking turns, until the step has run about one chunk's tokens.
         spent = 0
-        while prefilling := [(job, seq) for job, seq in self._running if seq.prefilling and not seq.done]:
+        while prefilling := [(job, seq) for job, seq in self._running
+                             if seq.prefilling and not seq.done and seq not in following]:
             job, seq = prefilling[self._turn % len(prefilling)]
             size = seq.next_chunk
             if spent and spent + size > self.runner.prefill_chunk:
