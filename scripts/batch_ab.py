@@ -1,13 +1,15 @@
 """A/B the decode step of B sequences: the native kernels one sequence after another against transformers' batched
 forward (`node/engine/batch_forward.py`), with the linear layers' oneDNN-packed weights (`cpu_layout.py`) and
-without them, on the default model, one thread, in one process.
+without them, and with the sequences' shared first rows attended once (`Shared`), on the default model, one
+thread, in one process.
 
-    .venv/bin/python scripts/batch_ab.py [--context 1024] [--batches 1,2,3,4,8,16,32] [--runs 7]
+    .venv/bin/python scripts/batch_ab.py [--context 1024] [--shared 0] [--batches 1,2,3,4,8,16,32] [--runs 7]
 
 Each of B sequences is prefilled to `--context` tokens (lengths differ by a few tokens, as real traffic's do)
-in its own lane; then the three ways alternate, each running one decode step of all B sequences into its own
-set of caches, and the script prints the median milliseconds per step, tokens per second, and the largest
-logit difference between the native and the packed batched step, relative to the largest logit.
+in its own lane, the first `--shared` of them the same for all (one caller's system prompt, computed alike);
+then the four ways alternate, each running one decode step of all B sequences into its own set of caches, and
+the script prints the median milliseconds per step, tokens per second, and the largest logit difference of
+the packed batched step and of the shared one against the native step, relative to the largest logit.
 `Runner.decode` takes the native path at batch 1 only; this measures where that choice stands.
 """
 
@@ -20,7 +22,7 @@ import time
 import torch
 
 from node.config import tenzro_home
-from node.engine.batch_forward import BatchedDecode
+from node.engine.batch_forward import BatchedDecode, Shared, equal_rows
 from node.engine.cpu_layout import TransposedLinear
 from node.engine.loader import DEFAULT_MODEL, load_model, resolve_model_dir
 
@@ -30,6 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--batches", default="1,2,3,4,8,16,32")
+    parser.add_argument("--shared", type=int, default=0, help="first tokens all sequences' prompts share")
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -41,24 +44,29 @@ def main() -> None:
     print(f"forward: {loaded.forward_path.name} ({loaded.forward_path.reason}); context {args.context}, 1 thread")
     linears = [m for m in loaded.model.modules() if isinstance(m, TransposedLinear)]
     packed = [m.packed for m in linears]
-    print(f"{'batch':>5} {'native ms':>10} {'batched ms':>11} {'unpacked ms':>12} {'native tok/s':>13} "
-          f"{'batched tok/s':>14} {'rel diff':>9}")
+    print(f"{'batch':>5} {'native ms':>10} {'batched ms':>11} {'unpacked ms':>12} {'shared ms':>10} "
+          f"{'native tok/s':>13} {'batched tok/s':>14} {'shared tok/s':>13} {'rel diff':>9} {'shared diff':>12}")
     for batch in (int(b) for b in args.batches.split(",")):
         generator = torch.Generator().manual_seed(batch)
-        prompts = [torch.randint(100, vocab, (args.context + 3 * row,), generator=generator).tolist()
-                   for row in range(batch)]
+        system = torch.randint(100, vocab, (args.shared,), generator=generator).tolist()
+        prompts = [system + torch.randint(100, vocab, (args.context - args.shared + 3 * row,),
+                                          generator=generator).tolist() for row in range(batch)]
         sets = []
-        for base in (0, batch, 2 * batch):
+        for base in (0, batch, 2 * batch, 3 * batch):
             caches = []
             for row, prompt in enumerate(prompts):
                 cache, _ = loaded.state.new_cache(len(prompt) + 2 * args.runs + 2, lane=base + row)
-                loaded.forward(prompt[:-1], 0, cache)
+                if args.shared:
+                    loaded.forward(prompt[:args.shared], 0, cache)
+                loaded.forward(prompt[args.shared:-1], args.shared, cache)
                 caches.append(cache)
             sets.append(caches)
+        length = min(equal_rows(sets[3][0], cache, args.shared) for cache in sets[3][1:]) if batch > 1 else 0
+        shared = [Shared(tuple(range(batch)), length)] if length else []
         tokens = [prompt[-1] for prompt in prompts]
         positions = [len(prompt) - 1 for prompt in prompts]
-        times: list[list[float]] = [[], [], []]
-        worst = 0.0
+        times: list[list[float]] = [[], [], [], []]
+        worst = worst_shared = 0.0
         for step in range(args.runs):
             at = [position + step for position in positions]
             started = time.perf_counter()
@@ -75,12 +83,18 @@ def main() -> None:
             times[2].append(time.perf_counter() - started)
             for module, weight in zip(linears, packed, strict=True):
                 module.packed = weight
+            started = time.perf_counter()
+            together = batched.step(tokens, at, sets[3], loaded.device, shared)
+            times[3].append(time.perf_counter() - started)
             for row, logits in enumerate(one):
-                worst = max(worst, float((many[row] - logits).abs().max()) / max(1.0, float(logits.abs().max())))
-        native, many_s, unpacked = (statistics.median(t) for t in times)
-        print(f"{batch:>5} {native * 1e3:>10.1f} {many_s * 1e3:>11.1f} {unpacked * 1e3:>12.1f} "
-              f"{batch / native:>13.1f} {batch / many_s:>14.1f} {worst:>9.1e}")
-        for lane in range(3 * batch):
+                scale = max(1.0, float(logits.abs().max()))
+                worst = max(worst, float((many[row] - logits).abs().max()) / scale)
+                worst_shared = max(worst_shared, float((together[row] - logits).abs().max()) / scale)
+        native, many_s, unpacked, shared_s = (statistics.median(t) for t in times)
+        print(f"{batch:>5} {native * 1e3:>10.1f} {many_s * 1e3:>11.1f} {unpacked * 1e3:>12.1f} {shared_s * 1e3:>10.1f} "
+              f"{batch / native:>13.1f} {batch / many_s:>14.1f} {batch / shared_s:>13.1f} {worst:>9.1e} "
+              f"{worst_shared:>12.1e}")
+        for lane in range(4 * batch):
             loaded.state.wipe_pool(0, args.context + 3 * batch + 2 * args.runs + 2, lane)
 
 

@@ -183,12 +183,36 @@ async def test_one_callers_sequences_attend_their_shared_rows_once(family: str, 
 
 
 async def test_different_callers_never_share_rows(small_model_dir: Path) -> None:
-    """The same system prompt from four callers: each attends its own copy."""
+    """The same system prompt from four callers at once: each computes and attends its own copy."""
     loaded = load_model("small", small_model_dir)
     runner = reuse_runner(loaded)
-    await run_together(runner, one_callers_requests(loaded.model_id))
+    results = await run_together(runner, one_callers_requests(loaded.model_id))
     state = runner.engine_state()
     assert state["largest_batch"] == 4 and state["shared_rows"] == 0
+    assert [result.cached_read_tokens for result in results] == [0, 0, 0, 0]
+
+
+async def test_one_callers_requests_copy_the_prompt_rows_another_computes(small_model_dir: Path) -> None:
+    """Four requests of one caller arrive together over a system prompt nothing stored yet: the first computes
+    it, the others wait for its rows and copy them (billed as cached reads), and each reply is its own."""
+    loaded = load_model("small", small_model_dir)
+    batch = one_callers_requests(loaded.model_id, scope="agent")
+    alone = Runner(loaded, None)
+    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+    runner = reuse_runner(loaded)  # 64-token chunks: the followers wait through five of the first one's
+    results = await run_together(runner, batch)
+    assert [result.output_ids for result in results] == expected
+    assert [result.cached_read_tokens for result in results] == [0, 300, 300, 300]
+
+
+async def test_a_request_without_retention_neither_copies_nor_gives_rows(small_model_dir: Path) -> None:
+    """Retention none: nothing of the request is kept, nor lent to another request, nor taken from one."""
+    loaded = load_model("small", small_model_dir)
+    batch = one_callers_requests(loaded.model_id, scope="agent")
+    batch[1] = GenerationRequest(batch[1].scope, batch[1].prompt, batch[1].params, retain=False)
+    batch[0] = GenerationRequest(batch[0].scope, batch[0].prompt, batch[0].params, retain=False)
+    results = await run_together(reuse_runner(loaded), batch)
+    assert [result.cached_read_tokens for result in results] == [0, 0, 0, 300]
 
 
 def prefilled(loaded: LoadedModel, prompt: list[int], lane: int) -> DynamicCache:
