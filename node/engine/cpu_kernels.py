@@ -32,6 +32,8 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "tz_gemm": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int, _ptr], None),
     "tz_attention": ([_ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _f32, _ptr,
                       _i64, _ptr], ctypes.c_int),
+    "tz_decode_attention": ([_i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _i64, _ptr, _ptr],
+                            ctypes.c_int),
     "tz_pack_screen": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr], None),
     "tz_head_argmax": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], _i64),
     "tz_decoder_forward": ([_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _ptr], ctypes.c_int),
@@ -271,6 +273,37 @@ class CpuKernels:
         status = self._lib.tz_attention(q.data_ptr(), tokens, heads, kv_heads, head_dim, q.stride(0), count,
                                         key_pointers, value_pointers, head_strides, lengths, start, scale,
                                         out.data_ptr(), out.stride(0), _start(then))
+        return bool(status == 0)
+
+    def decode_attention(self, queries: torch.Tensor, history: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                         scale: float, out: torch.Tensor, lse: torch.Tensor, work: torch.Tensor) -> bool:
+        """One query per row over that row's own keys and values (a decode step of many sequences): queries
+        `[R, heads, head_dim]` contiguous, `history[r]` row r's keys and values `[1, kv_heads, n_r, head_dim]`
+        with contiguous rows; out `[R, heads, head_dim]` and each head's log-sum-exp of its scaled scores, lse
+        `[R, heads]`, both contiguous. `work` (zeroed by its owner) holds at least
+        `heads // kv_heads * max(n_r)` floats. False when the shapes are not ones the kernel takes (then
+        nothing was written)."""
+        rows, heads, head_dim = queries.shape
+        if not (queries.is_contiguous() and out.is_contiguous() and lse.is_contiguous() and len(history) == rows
+                and out.shape == queries.shape and lse.shape == (rows, heads)):
+            return False
+        kv_heads = history[0][0].shape[1]
+        longest = 0
+        for keys, values in history:
+            if (keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != head_dim
+                    or keys.shape != values.shape or keys.shape[1] != kv_heads or keys.shape[3] != head_dim
+                    or keys.shape[2] < 1):
+                return False
+            longest = max(longest, keys.shape[2])
+        if heads % kv_heads or work.numel() < heads // kv_heads * longest or not work.is_contiguous():
+            return False
+        key_pointers = (ctypes.c_void_p * rows)(*(k.data_ptr() for k, _ in history))
+        value_pointers = (ctypes.c_void_p * rows)(*(v.data_ptr() for _, v in history))
+        head_strides = (ctypes.c_int64 * rows)(*(k.stride(1) for k, _ in history))
+        lengths = (ctypes.c_int64 * rows)(*(k.shape[2] for k, _ in history))
+        status = self._lib.tz_decode_attention(rows, heads, kv_heads, head_dim, queries.data_ptr(), heads * head_dim,
+                                               key_pointers, value_pointers, head_strides, lengths, scale,
+                                               out.data_ptr(), heads * head_dim, lse.data_ptr(), work.data_ptr())
         return bool(status == 0)
 
     def decoder_forward(self, decoder: NativeDecoder, ids: Sequence[int], start: int, cos: torch.Tensor,

@@ -24,6 +24,7 @@ from cache.radix_tree import common_prefix_length
 from cache.snapshot_policy import SnapshotPolicy
 from cache.working_cache import GrowableKVLayer
 from node.engine.batch_forward import BatchedDecode, Shared, batch_blocker, batchable, equal_rows
+from node.engine.cpu_kernels import load_kernels
 from node.engine.detokenizer import Detokenizer
 from node.engine.loader import LoadedModel
 from node.engine.prediction import Logits, Prediction
@@ -184,7 +185,13 @@ class Runner:
         """Running sequences by lane."""
         self._kin: dict[int, Kin] = {}
         """By lane, the group of same-scope sequences whose first rows the lane's sequence shares (`_join`)."""
-        self._batched = BatchedDecode(loaded.model)
+        kernels = load_kernels().kernels
+        # The native decode attention is single-threaded float32 on the CPU, as the native forward is.
+        native = (kernels is not None and torch.get_num_threads() == 1 and loaded.device.type == "cpu"
+                  and loaded.dtype == torch.float32)
+        self._batched = BatchedDecode(loaded.model, kernels if native else None)
+        self.decode_attention = "native" if native else "sdpa"
+        """What attends each row's own history in a batched decode step."""
         self.batching = batch_blocker(loaded.model)
         """Why decode steps of several sequences cannot run as one forward on this model (None: they do)."""
         self.decode_steps = 0
@@ -197,7 +204,7 @@ class Runner:
         return {"batched_decode": self.batching is None, "reason": self.batching or "every layer is attention",
                 "prefill_chunk": self.prefill_chunk, "decode_steps": self.decode_steps,
                 "batched_steps": self.batched_steps, "largest_batch": self.largest_batch,
-                "shared_rows": self._batched.shared_rows}
+                "shared_rows": self._batched.shared_rows, "decode_attention": self.decode_attention}
 
     def sealing_state(self) -> dict[str, Any]:
         """For `GET /v1/node`: whether stored state is sealed, how, and what the tiers hold now."""
@@ -344,6 +351,7 @@ class Runner:
             self.arena.wipe_scratch()
         if self.loaded.decoder is not None:
             self.loaded.decoder.wipe_scratch()
+        self._batched.wipe_scratch()
 
     def drop_caller(self, caller: str) -> None:
         """The caller's key was removed: its stored state (and that of the callers it acts for as a router) is

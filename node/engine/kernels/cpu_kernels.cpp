@@ -284,6 +284,82 @@ struct Block {
 
 }  // namespace
 
+// The sum of a vector's lanes.
+inline float lane_sum(__m512 v) {
+  const __m256 x = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 y = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 z = _mm_add_ps(y, _mm_movehl_ps(y, y));
+  return _mm_cvtss_f32(_mm_add_ss(z, _mm_movehdup_ps(z)));
+}
+
+// One key/value head of tz_decode_attention: `group` scaled queries qs [group, LINES * 16] over n rows of
+// keys K and values V (LINES * 16 floats each); outputs o [group, LINES * 16], log-sum-exps lse [group].
+template <int LINES>
+void decode_head(const float* qs, int64_t group, const float* K, const float* V, int64_t n, float* work, float* o,
+                 float* lse) {
+  constexpr int64_t D = LINES * 16, AHEAD_ROWS = 16;
+  for (int64_t t = 0; t < group; t++) {
+    // Scores S[j] = q_t . k_j, four keys at a time for independent sums.
+    float* S = work + t * n;
+    __m512 qv[LINES];
+    for (int l = 0; l < LINES; l++) qv[l] = _mm512_load_ps(qs + t * D + l * 16);
+    float top = -__builtin_inff();
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      _mm_prefetch(reinterpret_cast<const char*>(K + (j + AHEAD_ROWS) * D), _MM_HINT_T0);
+      if (LINES > 1) _mm_prefetch(reinterpret_cast<const char*>(K + (j + AHEAD_ROWS + 2) * D), _MM_HINT_T0);
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+      for (int l = 0; l < LINES; l++) {
+        a0 = _mm512_fmadd_ps(qv[l], _mm512_loadu_ps(K + j * D + l * 16), a0);
+        a1 = _mm512_fmadd_ps(qv[l], _mm512_loadu_ps(K + (j + 1) * D + l * 16), a1);
+        a2 = _mm512_fmadd_ps(qv[l], _mm512_loadu_ps(K + (j + 2) * D + l * 16), a2);
+        a3 = _mm512_fmadd_ps(qv[l], _mm512_loadu_ps(K + (j + 3) * D + l * 16), a3);
+      }
+      S[j] = lane_sum(a0);
+      S[j + 1] = lane_sum(a1);
+      S[j + 2] = lane_sum(a2);
+      S[j + 3] = lane_sum(a3);
+      top = fmaxf(fmaxf(fmaxf(top, S[j]), fmaxf(S[j + 1], S[j + 2])), S[j + 3]);
+    }
+    for (; j < n; j++) {
+      __m512 a = _mm512_setzero_ps();
+      for (int l = 0; l < LINES; l++) a = _mm512_fmadd_ps(qv[l], _mm512_loadu_ps(K + j * D + l * 16), a);
+      S[j] = lane_sum(a);
+      top = fmaxf(top, S[j]);
+    }
+    // Weights exp(S - max), in place, and their sum.
+    const __m512 mx = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; k += 16) {
+      const __mmask16 m = lanes(n - k);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, S + k), mx)));
+      _mm512_mask_storeu_ps(S + k, m, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const float total = lane_sum(sum);
+    // The weighted sum of the value rows, two rows at a time for independent sums.
+    __m512 a[LINES], b[LINES];
+    for (int l = 0; l < LINES; l++) a[l] = b[l] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 2 <= n; k += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(V + (k + AHEAD_ROWS) * D), _MM_HINT_T0);
+      if (LINES > 2) _mm_prefetch(reinterpret_cast<const char*>(V + (k + AHEAD_ROWS + 1) * D), _MM_HINT_T0);
+      const __m512 p0 = _mm512_set1_ps(S[k]), p1 = _mm512_set1_ps(S[k + 1]);
+      for (int l = 0; l < LINES; l++) {
+        a[l] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(V + k * D + l * 16), a[l]);
+        b[l] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(V + (k + 1) * D + l * 16), b[l]);
+      }
+    }
+    for (; k < n; k++) {
+      const __m512 p0 = _mm512_set1_ps(S[k]);
+      for (int l = 0; l < LINES; l++) a[l] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(V + k * D + l * 16), a[l]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / total);
+    for (int l = 0; l < LINES; l++) _mm512_storeu_ps(o + t * D + l * 16, _mm512_mul_ps(_mm512_add_ps(a[l], b[l]), inv));
+    lse[t] = top + logf(total);
+  }
+}
+
 extern "C" {
 
 int64_t tz_packed_floats(int64_t K, int64_t N) { return ((N + NR - 1) / NR) * K * NR; }
@@ -549,6 +625,40 @@ int tz_attention(const float* q, int64_t T, int64_t H, int64_t Hkv, int64_t D, i
   return 0;
 }
 
+// One query per row over that row's own keys and values: the attention of a decode step of many sequences,
+// each over its own history. Row r: q + r * q_st holds H heads of D floats; keys[r] and values[r] hold Hkv
+// heads, head_stride[r] floats apart, of lengths[r] rows of D floats. out + r * o_st gets the heads' outputs
+// [H, D]; lse + r * H each head's log-sum-exp of its scaled scores (to merge with attention over other keys).
+// Query heads of one key/value head read its rows together, once: a pass over the keys for the scores, one
+// over the values for the sum, each streaming rows a few ahead. `work` holds (H / Hkv) * max(lengths) floats
+// (the scores of one key/value head's queries), left to the caller to zero. D is 16, 32, 64 or 128.
+int tz_decode_attention(int64_t R, int64_t H, int64_t Hkv, int64_t D, const float* q, int64_t q_st,
+                        const float* const* keys, const float* const* values, const int64_t* head_stride,
+                        const int64_t* lengths, float scale, float* out, int64_t o_st, float* lse, float* work) {
+  if ((D != 16 && D != 32 && D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0 || H / Hkv > 16) return -1;
+  for (int64_t r = 0; r < R; r++)
+    if (lengths[r] < 1) return -1;
+  FlushDenormals flush;
+  const int64_t group = H / Hkv;
+  alignas(64) float qs[16 * 128];
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t g = 0; g < Hkv; g++) {
+      const float* qr = q + r * q_st + g * group * D;
+      for (int64_t i = 0; i < group * D; i++) qs[i] = qr[i] * scale;
+      const float* K = keys[r] + g * head_stride[r];
+      const float* V = values[r] + g * head_stride[r];
+      float* o = out + r * o_st + g * group * D;
+      float* l = lse + r * H + g * group;
+      switch (D) {
+        case 16: decode_head<1>(qs, group, K, V, lengths[r], work, o, l); break;
+        case 32: decode_head<2>(qs, group, K, V, lengths[r], work, o, l); break;
+        case 64: decode_head<4>(qs, group, K, V, lengths[r], work, o, l); break;
+        default: decode_head<8>(qs, group, K, V, lengths[r], work, o, l); break;
+      }
+    }
+  return 0;
+}
+
 // out[t, :] = w * x[t, :] / sqrt(mean(x[t, :]^2) + eps), as Llama's RMSNorm in float32.
 void tz_rmsnorm(const float* x, int64_t T, int64_t N, int64_t ldx, const float* w, float eps, float* out,
                 int64_t ldo) {
@@ -559,7 +669,7 @@ void tz_rmsnorm(const float* x, int64_t T, int64_t N, int64_t ldx, const float* 
       __m512 v = _mm512_maskz_loadu_ps(lanes(N - n), row + n);
       acc = _mm512_fmadd_ps(v, v, acc);
     }
-    const float mean = _mm512_reduce_add_ps(acc) / static_cast<float>(N);
+    const float mean = lane_sum(acc) / static_cast<float>(N);
     const __m512 scale = _mm512_set1_ps(1.0f / __builtin_sqrtf(mean + eps));
     for (int64_t n = 0; n < N; n += 16) {
       const __mmask16 m = lanes(N - n);

@@ -22,6 +22,7 @@ from cache.arena import Scope, new_prefix_cache
 from cache.budget import CacheBudget
 from cache.working_cache import GrowableKVLayer
 from node.engine.batch_forward import BatchedDecode, Shared, equal_rows
+from node.engine.cpu_kernels import load_kernels
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, GenerationResult, Runner
 from node.engine.sampling import SamplingParams
@@ -236,17 +237,22 @@ def test_equal_rows_counts_the_rows_held_value_for_value(small_model_dir: Path) 
     assert equal_rows(first, second, 320) == 123
 
 
-def test_a_step_over_shared_rows_gives_each_sequence_its_own_logits(small_model_dir: Path) -> None:
-    """One batched step with its group's rows shared, against the same step with none: logits within float32
-    noise (the parts merged by log-sum-exp), the same greedy tokens."""
+@pytest.mark.parametrize("native", [False, True], ids=["sdpa", "native-attention"])
+def test_a_step_over_shared_rows_gives_each_sequence_its_own_logits(small_model_dir: Path, native: bool) -> None:
+    """One batched step with its group's rows shared (each row's own rows by SDPA or by the native decode
+    attention), against the plain batched step with none: logits within float32 noise (parts merged by
+    log-sum-exp, sums in another order), the same greedy tokens."""
+    kernels = load_kernels().kernels
+    if native and kernels is None:
+        pytest.skip(f"no native kernels: {load_kernels().reason}")
     loaded = load_model("small", small_model_dir)
     system = tokens(99, 300)
     prompts = [system + tokens(i, 9 + 13 * i) for i in range(3)]
-    steps = BatchedDecode(loaded.model)
+    steps = BatchedDecode(loaded.model, kernels if native else None)
     logits = []
-    for shared in ((), (Shared((0, 2), 300), )):
+    for batched, shared in ((BatchedDecode(loaded.model), ()), (steps, (Shared((0, 2), 300), ))):
         caches = [prefilled(loaded, prompt, lane) for lane, prompt in enumerate(prompts)]
-        logits.append(steps.step([5, 6, 7], [len(prompt) for prompt in prompts], caches, loaded.device, shared))
+        logits.append(batched.step([5, 6, 7], [len(prompt) for prompt in prompts], caches, loaded.device, shared))
     assert steps.shared_rows == 2 * 2  # two members, both layers
     scale = logits[0].abs().max()
     assert float((logits[0] - logits[1]).abs().max() / scale) < 1e-5

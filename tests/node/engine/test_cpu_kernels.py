@@ -186,6 +186,38 @@ def test_attention_rescales_when_later_keys_score_higher(kernels: CpuKernels) ->
     assert close(out, expected[0].transpose(0, 1).reshape(tokens, -1))
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (8, 8, 64), (8, 2, 32), (4, 1, 128)])
+def test_decode_attention_matches_sdpa_row_by_row(kernels: CpuKernels, heads: int, kv_heads: int,
+                                                  head_dim: int) -> None:
+    """Five rows, each one query over its own history (1 to 700 keys, views of longer buffers as lanes hold
+    them): the outputs SDPA gives each row alone, and each head's log-sum-exp of its scaled scores."""
+    generator = torch.Generator().manual_seed(heads * head_dim + kv_heads)
+    lengths = [1, 5, 64, 333, 700]
+    history = [(torch.randn(1, kv_heads, n + 11, head_dim, generator=generator)[:, :, :n],
+                torch.randn(1, kv_heads, n + 11, head_dim, generator=generator)[:, :, :n]) for n in lengths]
+    q = torch.randn(len(lengths), heads, head_dim, generator=generator) * 3
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((len(lengths), heads), float("nan"))
+    work = torch.zeros(heads // kv_heads * max(lengths))
+    assert kernels.decode_attention(q, history, 0.2, out, lse, work)
+    for row, (keys, values) in enumerate(history):
+        query = q[row].view(1, heads, 1, head_dim)
+        expected = F.scaled_dot_product_attention(query, keys, values, scale=0.2, enable_gqa=heads != kv_heads)
+        assert close(out[row], expected[0, :, 0])
+        scores = torch.einsum("hd,hnd->hn", query[0, :, 0], keys[0].repeat_interleave(heads // kv_heads, 0)) * 0.2
+        assert torch.allclose(lse[row], torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_refuses_shapes_it_does_not_take(kernels: CpuKernels) -> None:
+    keys = torch.randn(1, 2, 10, 48)  # head_dim 48
+    out, lse = torch.empty(1, 2, 48), torch.empty(1, 2)
+    assert not kernels.decode_attention(torch.randn(1, 2, 48), [(keys, keys)], 0.1, out, lse, torch.zeros(100))
+    keys = torch.randn(1, 2, 10, 64)
+    too_small = torch.zeros(5)
+    assert not kernels.decode_attention(torch.randn(1, 2, 64), [(keys, keys)], 0.1, torch.empty(1, 2, 64), lse,
+                                        too_small)
+
+
 @pytest.mark.parametrize("cuts", [(300,), (100, 200), (1, 37, 262), (150, 140, 10)])
 def test_attention_over_pieces_matches_one_tensor(kernels: CpuKernels, cuts: tuple[int, ...]) -> None:
     """Keys and values in pieces (a restored prefix, then the working buffer) give what one tensor gives;
