@@ -1,13 +1,14 @@
 """A/B the decode step of B sequences: the native kernels one sequence after another against transformers' batched
 forward (`node/engine/batch_forward.py`), with the linear layers' oneDNN-packed weights (`cpu_layout.py`) and
-without them, and with the sequences' shared first rows attended once (`Shared`), on the default model, one
-thread, in one process.
+without them, with the sequences' shared first rows attended once (`Shared`), and that with each row's own rows
+by the native decode attention (`tz_decode_attention`) instead of SDPA, on the default model, one thread, in
+one process.
 
     .venv/bin/python scripts/batch_ab.py [--context 1024] [--shared 0] [--batches 1,2,3,4,8,16,32] [--runs 7]
 
 Each of B sequences is prefilled to `--context` tokens (lengths differ by a few tokens, as real traffic's do)
 in its own lane, the first `--shared` of them the same for all (one caller's system prompt, computed alike);
-then the four ways alternate, each running one decode step of all B sequences into its own set of caches, and
+then the five ways alternate, each running one decode step of all B sequences into its own set of caches, and
 the script prints the median milliseconds per step, tokens per second, and the largest logit difference of
 the packed batched step and of the shared one against the native step, relative to the largest logit.
 `Runner.decode` takes the native path at batch 1 only; this measures where that choice stands.
@@ -23,6 +24,7 @@ import torch
 
 from node.config import tenzro_home
 from node.engine.batch_forward import BatchedDecode, Shared, equal_rows
+from node.engine.cpu_kernels import load_kernels
 from node.engine.cpu_layout import TransposedLinear
 from node.engine.loader import DEFAULT_MODEL, load_model, resolve_model_dir
 
@@ -40,19 +42,21 @@ def main() -> None:
     loaded = load_model(model_id, path)
     assert loaded.state is not None and loaded.decoder is not None, loaded.forward_path.reason
     batched = BatchedDecode(loaded.model)
+    native_attention = BatchedDecode(loaded.model, load_kernels().kernels)
     vocab = int(loaded.model.config.vocab_size)
     print(f"forward: {loaded.forward_path.name} ({loaded.forward_path.reason}); context {args.context}, 1 thread")
     linears = [m for m in loaded.model.modules() if isinstance(m, TransposedLinear)]
     packed = [m.packed for m in linears]
     print(f"{'batch':>5} {'native ms':>10} {'batched ms':>11} {'unpacked ms':>12} {'shared ms':>10} "
-          f"{'native tok/s':>13} {'batched tok/s':>14} {'shared tok/s':>13} {'rel diff':>9} {'shared diff':>12}")
+          f"{'+native attn ms':>16} {'native tok/s':>13} {'batched tok/s':>14} {'shared tok/s':>13} "
+          f"{'+native tok/s':>14} {'rel diff':>9} {'shared diff':>12}")
     for batch in (int(b) for b in args.batches.split(",")):
         generator = torch.Generator().manual_seed(batch)
         system = torch.randint(100, vocab, (args.shared,), generator=generator).tolist()
         prompts = [system + torch.randint(100, vocab, (args.context - args.shared + 3 * row,),
                                           generator=generator).tolist() for row in range(batch)]
         sets = []
-        for base in (0, batch, 2 * batch, 3 * batch):
+        for base in (0, batch, 2 * batch, 3 * batch, 4 * batch):
             caches = []
             for row, prompt in enumerate(prompts):
                 cache, _ = loaded.state.new_cache(len(prompt) + 2 * args.runs + 2, lane=base + row)
@@ -62,10 +66,11 @@ def main() -> None:
                 caches.append(cache)
             sets.append(caches)
         length = min(equal_rows(sets[3][0], cache, args.shared) for cache in sets[3][1:]) if batch > 1 else 0
+        length = min(length, *(equal_rows(sets[4][0], cache, args.shared) for cache in sets[4][1:])) if length else 0
         shared = [Shared(tuple(range(batch)), length)] if length else []
         tokens = [prompt[-1] for prompt in prompts]
         positions = [len(prompt) - 1 for prompt in prompts]
-        times: list[list[float]] = [[], [], [], []]
+        times: list[list[float]] = [[], [], [], [], []]
         worst = worst_shared = 0.0
         for step in range(args.runs):
             at = [position + step for position in positions]
@@ -86,15 +91,19 @@ def main() -> None:
             started = time.perf_counter()
             together = batched.step(tokens, at, sets[3], loaded.device, shared)
             times[3].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            fastest = native_attention.step(tokens, at, sets[4], loaded.device, shared)
+            times[4].append(time.perf_counter() - started)
             for row, logits in enumerate(one):
                 scale = max(1.0, float(logits.abs().max()))
                 worst = max(worst, float((many[row] - logits).abs().max()) / scale)
-                worst_shared = max(worst_shared, float((together[row] - logits).abs().max()) / scale)
-        native, many_s, unpacked, shared_s = (statistics.median(t) for t in times)
+                worst_shared = max(worst_shared, float((together[row] - logits).abs().max()) / scale,
+                                   float((fastest[row] - logits).abs().max()) / scale)
+        native, many_s, unpacked, shared_s, fastest_s = (statistics.median(t) for t in times)
         print(f"{batch:>5} {native * 1e3:>10.1f} {many_s * 1e3:>11.1f} {unpacked * 1e3:>12.1f} {shared_s * 1e3:>10.1f} "
-              f"{batch / native:>13.1f} {batch / many_s:>14.1f} {batch / shared_s:>13.1f} {worst:>9.1e} "
-              f"{worst_shared:>12.1e}")
-        for lane in range(4 * batch):
+              f"{fastest_s * 1e3:>16.1f} {batch / native:>13.1f} {batch / many_s:>14.1f} {batch / shared_s:>13.1f} "
+              f"{batch / fastest_s:>14.1f} {worst:>9.1e} {worst_shared:>12.1e}")
+        for lane in range(5 * batch):
             loaded.state.wipe_pool(0, args.context + 3 * batch + 2 * args.runs + 2, lane)
 
 

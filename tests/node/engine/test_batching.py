@@ -216,6 +216,7 @@ async def test_a_request_without_retention_neither_copies_nor_gives_rows(small_m
     assert [result.cached_read_tokens for result in results] == [0, 0, 0, 300]
 
 
+@torch.inference_mode()
 def prefilled(loaded: LoadedModel, prompt: list[int], lane: int) -> DynamicCache:
     assert loaded.state is not None
     cache = loaded.state.new_cache(len(prompt) + 8, lane=lane)[0]
