@@ -2,7 +2,8 @@
 through ctypes (which releases the GIL, so the event loop keeps serving during a forward).
 
 They exist for the few-token forwards of a resumed prompt on one thread, where library kernels leave
-memory traffic and arithmetic serial (see the source's header). A machine without AVX-512, an install
+memory traffic and arithmetic serial (see the source's header), and for the attention of a batched decode
+step over each row's own history (`decode_attention`, A/B in BATCHING.md). A machine without AVX-512, an install
 that could not build them, or `TENZRO_NATIVE=off` gets no kernels from `load_kernels`, with the reason,
 and the engine runs transformers' own forward instead.
 """
@@ -280,9 +281,10 @@ class CpuKernels:
         """One query per row over that row's own keys and values (a decode step of many sequences): queries
         `[R, heads, head_dim]` contiguous, `history[r]` row r's keys and values `[1, kv_heads, n_r, head_dim]`
         with contiguous rows; out `[R, heads, head_dim]` and each head's log-sum-exp of its scaled scores, lse
-        `[R, heads]`, both contiguous. `work` (zeroed by its owner) holds at least
-        `heads // kv_heads * max(n_r)` floats. False when the shapes are not ones the kernel takes (then
-        nothing was written)."""
+        `[R, heads]`, both contiguous. `work` (zeroed by its owner, 64-byte aligned) holds at least
+        `heads // kv_heads * (head_dim + max(n_r))` floats. False when the shapes are not ones the kernel takes
+        (then nothing was written). One row of many heads per key/value head is many queries over the same
+        rows: each row of keys and values is read once for a few of them at a time."""
         rows, heads, head_dim = queries.shape
         if not (queries.is_contiguous() and out.is_contiguous() and lse.is_contiguous() and len(history) == rows
                 and out.shape == queries.shape and lse.shape == (rows, heads)):
@@ -295,7 +297,8 @@ class CpuKernels:
                     or keys.shape[2] < 1):
                 return False
             longest = max(longest, keys.shape[2])
-        if heads % kv_heads or work.numel() < heads // kv_heads * longest or not work.is_contiguous():
+        if (heads % kv_heads or work.numel() < heads // kv_heads * (head_dim + longest) or not work.is_contiguous()
+                or work.data_ptr() % ALIGNMENT):
             return False
         key_pointers = (ctypes.c_void_p * rows)(*(k.data_ptr() for k, _ in history))
         value_pointers = (ctypes.c_void_p * rows)(*(v.data_ptr() for _, v in history))

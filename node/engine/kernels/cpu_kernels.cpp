@@ -1,4 +1,5 @@
-// Float32 kernels for the few-token forwards of a resumed prompt on one CPU thread (AVX-512).
+// Float32 kernels for the few-token forwards of a resumed prompt on one CPU thread (AVX-512), and for the
+// attention of a batched decode step, where each row's one query reads its own cold history (tz_decode_attention).
 //
 // A resumed prompt runs its new tokens (tens, not thousands) through every weight once: the matrices
 // come from memory cold, and a library GEMM that first packs them and then computes leaves the memory
@@ -292,71 +293,94 @@ inline float lane_sum(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(z, _mm_movehdup_ps(z)));
 }
 
-// One key/value head of tz_decode_attention: `group` scaled queries qs [group, LINES * 16] over n rows of
-// keys K and values V (LINES * 16 floats each); outputs o [group, LINES * 16], log-sum-exps lse [group].
-template <int LINES>
-void decode_head(const float* qs, int64_t group, const float* K, const float* V, int64_t n, float* work, float* o,
-                 float* lse) {
+// Scores S[q * n + j] = qs_q . k_j of QB scaled queries qs [QB, LINES * 16] against n key rows K, each key row
+// loaded once for all QB; top[q] gets each query's largest score.
+template <int LINES, int QB>
+void score_rows(const float* qs, const float* K, int64_t n, float* S, float* top) {
   constexpr int64_t D = LINES * 16, AHEAD_ROWS = 16;
-  for (int64_t t = 0; t < group; t++) {
-    // Scores S[j] = q_t . k_j, four keys at a time for independent sums.
-    float* S = work + t * n;
-    __m512 qv[LINES];
-    for (int l = 0; l < LINES; l++) qv[l] = _mm512_load_ps(qs + t * D + l * 16);
-    float top = -__builtin_inff();
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-      _mm_prefetch(reinterpret_cast<const char*>(K + (j + AHEAD_ROWS) * D), _MM_HINT_T0);
-      if (LINES > 1) _mm_prefetch(reinterpret_cast<const char*>(K + (j + AHEAD_ROWS + 2) * D), _MM_HINT_T0);
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-      for (int l = 0; l < LINES; l++) {
-        a0 = _mm512_fmadd_ps(qv[l], _mm512_loadu_ps(K + j * D + l * 16), a0);
-        a1 = _mm512_fmadd_ps(qv[l], _mm512_loadu_ps(K + (j + 1) * D + l * 16), a1);
-        a2 = _mm512_fmadd_ps(qv[l], _mm512_loadu_ps(K + (j + 2) * D + l * 16), a2);
-        a3 = _mm512_fmadd_ps(qv[l], _mm512_loadu_ps(K + (j + 3) * D + l * 16), a3);
+  __m512 qv[QB][LINES];
+  for (int q = 0; q < QB; q++)
+    for (int l = 0; l < LINES; l++) qv[q][l] = _mm512_load_ps(qs + q * D + l * 16);
+  float mx[QB];
+  for (int q = 0; q < QB; q++) mx[q] = -__builtin_inff();
+  for (int64_t j = 0; j < n; j++) {
+    _mm_prefetch(reinterpret_cast<const char*>(K + (j + AHEAD_ROWS) * D), _MM_HINT_T0);
+    if (LINES > 4) _mm_prefetch(reinterpret_cast<const char*>(K + (j + AHEAD_ROWS) * D + 64), _MM_HINT_T0);
+    __m512 kv[LINES];
+    for (int l = 0; l < LINES; l++) kv[l] = _mm512_loadu_ps(K + j * D + l * 16);
+    for (int q = 0; q < QB; q++) {
+      __m512 a = _mm512_mul_ps(qv[q][0], kv[0]);
+      for (int l = 1; l < LINES; l++) a = _mm512_fmadd_ps(qv[q][l], kv[l], a);
+      const float score = lane_sum(a);
+      S[q * n + j] = score;
+      mx[q] = fmaxf(mx[q], score);
+    }
+  }
+  for (int q = 0; q < QB; q++) top[q] = mx[q];
+}
+
+// o[q] = sum_j P[q * n + j] v_j / total[q] for QB queries over n value rows V, each row loaded once for all QB.
+template <int LINES, int QB>
+void weigh_rows(const float* P, const float* V, int64_t n, const float* total, float* o) {
+  constexpr int64_t D = LINES * 16, AHEAD_ROWS = 16;
+  __m512 acc[QB][LINES];
+  for (int q = 0; q < QB; q++)
+    for (int l = 0; l < LINES; l++) acc[q][l] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j++) {
+    _mm_prefetch(reinterpret_cast<const char*>(V + (j + AHEAD_ROWS) * D), _MM_HINT_T0);
+    if (LINES > 4) _mm_prefetch(reinterpret_cast<const char*>(V + (j + AHEAD_ROWS) * D + 64), _MM_HINT_T0);
+    __m512 vv[LINES];
+    for (int l = 0; l < LINES; l++) vv[l] = _mm512_loadu_ps(V + j * D + l * 16);
+    for (int q = 0; q < QB; q++) {
+      const __m512 p = _mm512_set1_ps(P[q * n + j]);
+      for (int l = 0; l < LINES; l++) acc[q][l] = _mm512_fmadd_ps(p, vv[l], acc[q][l]);
+    }
+  }
+  for (int q = 0; q < QB; q++) {
+    const __m512 inv = _mm512_set1_ps(1.0f / total[q]);
+    for (int l = 0; l < LINES; l++) _mm512_storeu_ps(o + q * D + l * 16, _mm512_mul_ps(acc[q][l], inv));
+  }
+}
+
+// One key/value head of tz_decode_attention: `group` scaled queries qs [group, LINES * 16] over n rows of keys K
+// and values V (LINES * 16 floats each), a few queries per pass over the rows; outputs o [group, LINES * 16],
+// log-sum-exps lse [group]. S holds group * n floats.
+template <int LINES>
+void decode_head(const float* qs, int64_t group, const float* K, const float* V, int64_t n, float* S, float* o,
+                 float* lse) {
+  constexpr int64_t D = LINES * 16;
+  constexpr int QB = LINES > 4 ? 2 : 4;  // queries per pass: their accumulators and a row fit the registers
+  float top[QB], total[QB];
+  for (int64_t t = 0; t < group; t += QB) {
+    const int64_t nq = group - t < QB ? group - t : QB;
+    const float* qt = qs + t * D;
+    float* St = S + t * n;
+    switch (nq) {
+      case 1: score_rows<LINES, 1>(qt, K, n, St, top); break;
+      case 2: score_rows<LINES, 2>(qt, K, n, St, top); break;
+      case 3: score_rows<LINES, 3>(qt, K, n, St, top); break;
+      default: score_rows<LINES, QB>(qt, K, n, St, top); break;
+    }
+    // Weights exp(S - max), in place, and their sums.
+    for (int64_t q = 0; q < nq; q++) {
+      float* Sq = St + q * n;
+      const __m512 mx = _mm512_set1_ps(top[q]);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t k = 0; k < n; k += 16) {
+        const __mmask16 m = lanes(n - k);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, Sq + k), mx)));
+        _mm512_mask_storeu_ps(Sq + k, m, e);
+        sum = _mm512_add_ps(sum, e);
       }
-      S[j] = lane_sum(a0);
-      S[j + 1] = lane_sum(a1);
-      S[j + 2] = lane_sum(a2);
-      S[j + 3] = lane_sum(a3);
-      top = fmaxf(fmaxf(fmaxf(top, S[j]), fmaxf(S[j + 1], S[j + 2])), S[j + 3]);
+      total[q] = lane_sum(sum);
+      lse[t + q] = top[q] + logf(total[q]);
     }
-    for (; j < n; j++) {
-      __m512 a = _mm512_setzero_ps();
-      for (int l = 0; l < LINES; l++) a = _mm512_fmadd_ps(qv[l], _mm512_loadu_ps(K + j * D + l * 16), a);
-      S[j] = lane_sum(a);
-      top = fmaxf(top, S[j]);
+    switch (nq) {
+      case 1: weigh_rows<LINES, 1>(St, V, n, total, o + t * D); break;
+      case 2: weigh_rows<LINES, 2>(St, V, n, total, o + t * D); break;
+      case 3: weigh_rows<LINES, 3>(St, V, n, total, o + t * D); break;
+      default: weigh_rows<LINES, QB>(St, V, n, total, o + t * D); break;
     }
-    // Weights exp(S - max), in place, and their sum.
-    const __m512 mx = _mm512_set1_ps(top);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t k = 0; k < n; k += 16) {
-      const __mmask16 m = lanes(n - k);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, S + k), mx)));
-      _mm512_mask_storeu_ps(S + k, m, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    const float total = lane_sum(sum);
-    // The weighted sum of the value rows, two rows at a time for independent sums.
-    __m512 a[LINES], b[LINES];
-    for (int l = 0; l < LINES; l++) a[l] = b[l] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 2 <= n; k += 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(V + (k + AHEAD_ROWS) * D), _MM_HINT_T0);
-      if (LINES > 2) _mm_prefetch(reinterpret_cast<const char*>(V + (k + AHEAD_ROWS + 1) * D), _MM_HINT_T0);
-      const __m512 p0 = _mm512_set1_ps(S[k]), p1 = _mm512_set1_ps(S[k + 1]);
-      for (int l = 0; l < LINES; l++) {
-        a[l] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(V + k * D + l * 16), a[l]);
-        b[l] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(V + (k + 1) * D + l * 16), b[l]);
-      }
-    }
-    for (; k < n; k++) {
-      const __m512 p0 = _mm512_set1_ps(S[k]);
-      for (int l = 0; l < LINES; l++) a[l] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(V + k * D + l * 16), a[l]);
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / total);
-    for (int l = 0; l < LINES; l++) _mm512_storeu_ps(o + t * D + l * 16, _mm512_mul_ps(_mm512_add_ps(a[l], b[l]), inv));
-    lse[t] = top + logf(total);
   }
 }
 
@@ -626,21 +650,24 @@ int tz_attention(const float* q, int64_t T, int64_t H, int64_t Hkv, int64_t D, i
 }
 
 // One query per row over that row's own keys and values: the attention of a decode step of many sequences,
-// each over its own history. Row r: q + r * q_st holds H heads of D floats; keys[r] and values[r] hold Hkv
-// heads, head_stride[r] floats apart, of lengths[r] rows of D floats. out + r * o_st gets the heads' outputs
-// [H, D]; lse + r * H each head's log-sum-exp of its scaled scores (to merge with attention over other keys).
-// Query heads of one key/value head read its rows together, once: a pass over the keys for the scores, one
-// over the values for the sum, each streaming rows a few ahead. `work` holds (H / Hkv) * max(lengths) floats
-// (the scores of one key/value head's queries), left to the caller to zero. D is 16, 32, 64 or 128.
+// each over its own history (or, with one row of many queries per key/value head, a group's queries over
+// their shared rows). Row r: q + r * q_st holds H heads of D floats; keys[r] and values[r] hold Hkv heads,
+// head_stride[r] floats apart, of lengths[r] rows of D floats. out + r * o_st gets the heads' outputs [H, D];
+// lse + r * H each head's log-sum-exp of its scaled scores (to merge with attention over other keys). Query
+// heads of one key/value head read its rows together, a few per pass: one pass over the keys for the scores,
+// one over the values for the sums, each streaming rows ahead. `work` holds (H / Hkv) * (D + max(lengths))
+// floats (the scaled queries and scores of one key/value head), left to the caller to zero. D is 16, 32, 64
+// or 128.
 int tz_decode_attention(int64_t R, int64_t H, int64_t Hkv, int64_t D, const float* q, int64_t q_st,
                         const float* const* keys, const float* const* values, const int64_t* head_stride,
                         const int64_t* lengths, float scale, float* out, int64_t o_st, float* lse, float* work) {
-  if ((D != 16 && D != 32 && D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0 || H / Hkv > 16) return -1;
+  if ((D != 16 && D != 32 && D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0) return -1;
   for (int64_t r = 0; r < R; r++)
     if (lengths[r] < 1) return -1;
   FlushDenormals flush;
   const int64_t group = H / Hkv;
-  alignas(64) float qs[16 * 128];
+  float* qs = work;  // 64-byte aligned (a fresh torch tensor's storage)
+  float* S = work + group * D;
   for (int64_t r = 0; r < R; r++)
     for (int64_t g = 0; g < Hkv; g++) {
       const float* qr = q + r * q_st + g * group * D;
@@ -650,10 +677,10 @@ int tz_decode_attention(int64_t R, int64_t H, int64_t Hkv, int64_t D, const floa
       float* o = out + r * o_st + g * group * D;
       float* l = lse + r * H + g * group;
       switch (D) {
-        case 16: decode_head<1>(qs, group, K, V, lengths[r], work, o, l); break;
-        case 32: decode_head<2>(qs, group, K, V, lengths[r], work, o, l); break;
-        case 64: decode_head<4>(qs, group, K, V, lengths[r], work, o, l); break;
-        default: decode_head<8>(qs, group, K, V, lengths[r], work, o, l); break;
+        case 16: decode_head<1>(qs, group, K, V, lengths[r], S, o, l); break;
+        case 32: decode_head<2>(qs, group, K, V, lengths[r], S, o, l); break;
+        case 64: decode_head<4>(qs, group, K, V, lengths[r], S, o, l); break;
+        default: decode_head<8>(qs, group, K, V, lengths[r], S, o, l); break;
       }
     }
   return 0;

@@ -186,7 +186,8 @@ def test_attention_rescales_when_later_keys_score_higher(kernels: CpuKernels) ->
     assert close(out, expected[0].transpose(0, 1).reshape(tokens, -1))
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (8, 8, 64), (8, 2, 32), (4, 1, 128)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(4, 2, 16), (8, 8, 64), (8, 2, 32), (4, 1, 128), (22, 2, 64), (11, 1, 32), (9, 1, 128)])
 def test_decode_attention_matches_sdpa_row_by_row(kernels: CpuKernels, heads: int, kv_heads: int,
                                                   head_dim: int) -> None:
     """Five rows, each one query over its own history (1 to 700 keys, views of longer buffers as lanes hold
@@ -198,7 +199,7 @@ def test_decode_attention_matches_sdpa_row_by_row(kernels: CpuKernels, heads: in
     q = torch.randn(len(lengths), heads, head_dim, generator=generator) * 3
     out = torch.full_like(q, float("nan"))
     lse = torch.full((len(lengths), heads), float("nan"))
-    work = torch.zeros(heads // kv_heads * max(lengths))
+    work = torch.zeros(heads // kv_heads * (head_dim + max(lengths)))
     assert kernels.decode_attention(q, history, 0.2, out, lse, work)
     for row, (keys, values) in enumerate(history):
         query = q[row].view(1, heads, 1, head_dim)
