@@ -4,7 +4,9 @@ Each request is a `Running` sequence in a lane of working buffers: restore the l
 of the prompt in chunks, decode, feed the last generated token so the reply's state is complete, and store
 the new state for the caller. The scheduler runs many sequences together: per step, prefill chunks of some
 (`prefill`) and one decode step of every decoding sequence (`decode`, batched where the model allows: see
-`batch_forward.py` and BATCHING.md); `generate` runs one sequence alone.
+`batch_forward.py` and BATCHING.md); `generate` runs one sequence alone. Within one scope, and never across
+scopes, a request copies prompt rows another running request holds (`follow`), and decoding sequences that
+hold the same first rows attend them once per step (`Kin`).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ callers round-robin, so one caller's burst cannot starve another's single reques
 admitted requests run at once, each in its own lane of working memory, and the worker advances them in
 steps: each step runs prefill chunks of about `prefill_chunk` tokens in all (the prefilling requests take
 turns, a chunk each, so a long prompt delays a short one by at most one chunk) and one decode step of every
-request that is decoding, batched into one forward where the model allows it (`Runner.decode`). Finished requests
-leave between steps, and waiting ones take their lanes.
+request that is decoding, batched into one forward where the model allows it (`Runner.decode`). A request whose
+prompt a running request of its caller is computing copies that request's rows instead, and waits for them
+(`Runner.follow`). Finished requests leave between steps, and waiting ones take their lanes.
 """
 
 from __future__ import annotations
