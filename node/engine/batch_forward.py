@@ -9,11 +9,12 @@ returns, through transformers' own SDPA attention. Nothing is padded and no hist
 is each sequence's own decode step (logits within float32 noise of running it alone, see BATCHING.md).
 
 Sequences of one caller often hold the same first rows (one system prompt, restored from one stored span or
-computed alike): `equal_rows` finds how many, bit for bit, and a step given such a group (`Shared`) attends the
-group's queries over those rows once, from one member's buffers, and each member's query over its own rest,
+computed alike): `equal_rows` finds how many, value for value, and a step given such a group (`Shared`) attends
+the group's queries over those rows once, from one member's buffers, and each member's query over its own rest,
 merging the two parts by their log-sum-exp. The shared rows are then read once per step instead of once per
 sequence, which is what bounds a step of many sequences over long histories. Groups never span scopes: the
-runner forms them from one caller's sequences only.
+runner forms them from one caller's sequences only. Where the CPU kernels run, each row's own rows are attended
+by the native decode attention, all rows of a layer in one call (`_attend_each`).
 
 It applies to models whose every cache layer is attention (full or sliding-window): recurrent layers keep
 their state in the layer object, one per sequence, and step one sequence at a time (`batchable`).
@@ -86,7 +87,7 @@ class RowsCache:
 @dataclass(frozen=True, slots=True)
 class Shared:
     """Rows of a step's batch (`members`, two or more, of one scope) whose full-attention layers hold the same
-    first `length` rows bit for bit."""
+    first `length` rows, value for value."""
 
     members: tuple[int, ...]
     length: int

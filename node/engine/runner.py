@@ -114,8 +114,8 @@ class Running:
     discard: bool = False
     """Its caller went while it ran: nothing of it is stored."""
     donor: tuple[Running, int] | None = None
-    """A running request of the same caller whose prompt starts with the same `[1]` tokens and which computes them
-    ahead of this one: this one copies its rows instead of computing them (`Runner.follow`)."""
+    """(request, n): a running request of the same caller whose prompt agrees with this one's for n tokens, and
+    which computes them ahead of this one; this one copies its rows instead of computing them (`Runner.follow`)."""
 
     @property
     def prefilling(self) -> bool:
