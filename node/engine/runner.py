@@ -6,7 +6,7 @@ the new state for the caller. The scheduler runs many sequences together: per st
 (`prefill`) and one decode step of every decoding sequence (`decode`, batched where the model allows: see
 `batch_forward.py` and BATCHING.md); `generate` runs one sequence alone. Within one scope, and never across
 scopes, a request copies prompt rows another running request holds (`follow`), and decoding sequences that
-hold the same first rows attend them once per step (`Kin`).
+hold the same first rows attend them once per step (`kinship.py`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from cache.arena import Borrowed, Scope, SealCost, SealedEntryError, StateArena
 from cache.prefix_cache import PrefixCache, StoreResult, belongs_to
 from cache.radix_tree import common_prefix_length
 from cache.snapshot_policy import SnapshotPolicy
-from cache.working_cache import GrowableKVLayer
-from node.engine.batch_forward import BatchedDecode, Shared, batch_blocker, batchable, equal_rows
+from node.engine.batch_forward import BatchedDecode, batch_blocker, batchable
 from node.engine.cpu_kernels import load_kernels
 from node.engine.detokenizer import Detokenizer
+from node.engine.kinship import FOLLOW_MIN, Kinship, best_donor, copy_rows
 from node.engine.loader import LoadedModel
 from node.engine.prediction import Logits, Prediction
 from node.engine.sampling import Sampler, SamplingParams
@@ -131,31 +131,6 @@ class Running:
         return self.stops[0] - self.position if self.stops else 0
 
 
-FOLLOW_MIN = 64
-"""Fewest prompt tokens a request copies from a running request of its caller rather than computes."""
-SHARED_ROWS_MIN = 256
-"""Fewest shared first rows for which sequences attend them together (`Kin`): below, a step saves less than the
-extra attention call and merge cost."""
-
-
-@dataclass(eq=False)
-class Kin:
-    """Decoding sequences of one scope whose full-attention layers hold the same first rows. `rows[lane]`: how
-    many, for the member in that lane; every member agrees with every other on the fewer of their two counts.
-    A batched decode step attends those rows once for all members in it (`batch_forward.Shared`)."""
-
-    scope: Scope
-    rows: dict[int, int]
-
-    def holder(self) -> int:
-        """The lane of the member holding the most shared rows."""
-        return max(self.rows, key=lambda lane: self.rows[lane])
-
-
-def _full_attention(cache: DynamicCache) -> bool:
-    return all(type(layer) is GrowableKVLayer for layer in cache.layers)
-
-
 class Runner:
     def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache | None, prefill_chunk: int = 1024,
                  policy: SnapshotPolicy | None = None, seal_cost: SealCost | None = None) -> None:
@@ -185,8 +160,7 @@ class Runner:
         """Per lane, rows of its working buffers written since they were last wiped."""
         self._live: dict[int, Running] = {}
         """Running sequences by lane."""
-        self._kin: dict[int, Kin] = {}
-        """By lane, the group of same-scope sequences whose first rows the lane's sequence shares (`_join`)."""
+        self._kinship = Kinship()
         kernels = load_kernels().kernels
         # The native decode attention is single-threaded float32 on the CPU, as the native forward is.
         native = (kernels is not None and torch.get_num_threads() == 1 and loaded.device.type == "cpu"
@@ -287,10 +261,10 @@ class Runner:
                 # it covers needs no copy.
                 warm = min(common_prefix_length(hot[1], tuple(prompt)), lease.length) if hot and hot[0] == scope else 0
                 cache, adopted = state.new_cache(capacity, adopt=warm, lane=lane)
-                if donor is not None and min(donor[1], donor[0].position, lease.length) > adopted:
+                held = min(donor[1], donor[0].position, lease.length) if donor is not None else 0
+                if donor is not None and held > adopted:
                     # Another request of this caller holds these rows in plaintext: a copy, not an opening.
-                    adopted = self._copy_rows(donor[0], cache, adopted, min(donor[1], donor[0].position,
-                                                                            lease.length), lane)
+                    adopted = self._copy_rows(donor[0], cache, adopted, held, lane)
                 self.arena.restore(state, cache, lease.spans, skip=adopted, snapshot=lease.snapshot,
                                    position=lease.length)
                 return cache, lease.length, lease.matched, self._opened(lane)
@@ -405,20 +379,11 @@ class Runner:
         return seq
 
     def _donor(self, request: GenerationRequest) -> tuple[Running, int] | None:
-        """The running request of `request`'s scope whose prompt agrees with `request`'s the longest (at least
-        FOLLOW_MIN tokens, at most all but the last), with how far; None where rows cannot be copied between
-        requests (layers other than full attention, snapshots to take, reuse off, retention none)."""
+        """`kinship.best_donor` of the running requests, where rows can be copied between requests (not with
+        reuse off, snapshots to take or retention none)."""
         if self.prefix_cache is None or self._takes_snapshots or not request.retain:
             return None
-        prompt, best = tuple(request.prompt), None
-        reach = FOLLOW_MIN
-        for other in self._live.values():
-            if other.request.scope != request.scope or not other.request.retain or not _full_attention(other.cache):
-                continue
-            common = min(common_prefix_length(tuple(other.request.prompt), prompt), len(prompt) - 1)
-            if common >= reach:
-                best, reach = other, common + 1
-        return None if best is None else (best, reach - 1)
+        return best_donor(request, self._live.values())
 
     @torch.inference_mode()
     def follow(self, seq: Running) -> bool:
@@ -440,13 +405,8 @@ class Runner:
         return True
 
     def _copy_rows(self, donor: Running, cache: DynamicCache, start: int, end: int, lane: int) -> int:
-        """Append rows `[start, end)` of `donor`'s working cache (same scope, same tokens there) to `cache`, which
-        holds `start` rows, in `lane`; returns `end`."""
-        for mine, theirs in zip(cache.layers, donor.cache.layers, strict=True):
-            assert isinstance(mine, GrowableKVLayer) and isinstance(theirs, GrowableKVLayer)
-            theirs.materialize()
-            assert mine.get_seq_length() == start and theirs.keys is not None and theirs.values is not None
-            mine.update(theirs.keys[:, :, start:end], theirs.values[:, :, start:end])
+        """`kinship.copy_rows` into `lane`, whose written rows it counts; returns `end`."""
+        copy_rows(donor, cache, start, end)
         self._dirty[lane] = max(self._dirty.get(lane, 0), end)
         return end
 
@@ -472,7 +432,7 @@ class Runner:
             tokens = [seq.output[-1] for seq in seqs]
             positions = [len(seq.request.prompt) + len(seq.output) - 1 for seq in seqs]
             logits = self._batched.step(tokens, positions, [seq.cache for seq in seqs], self.loaded.device,
-                                        self._shared(seqs))
+                                        self._kinship.groups(seqs, self._live))
             for row, seq in enumerate(seqs):
                 seq.prediction = Logits(logits[row])
         else:
@@ -481,40 +441,6 @@ class Runner:
                                                      seq.cache)
         for seq in seqs:
             self._choose(seq)
-
-    def _shared(self, seqs: Sequence[Running]) -> list[Shared]:
-        """The groups of `seqs` (rows of a batched step) that hold the same first rows, each with the rows all
-        its members in the step share."""
-        row_of = {seq.lane: row for row, seq in enumerate(seqs)}
-        for seq in seqs:
-            if seq.lane not in self._kin:
-                self._join(seq)
-        groups = {id(kin): kin for kin in (self._kin[seq.lane] for seq in seqs)}.values()
-        shared = []
-        for kin in groups:
-            present = [lane for lane in kin.rows if lane in row_of]
-            if len(present) > 1:
-                shared.append(Shared(tuple(row_of[lane] for lane in present), min(kin.rows[lane] for lane in present)))
-        return shared
-
-    def _join(self, seq: Running) -> None:
-        """Put a sequence that starts decoding into the group of its scope whose first rows it holds too (at
-        least SHARED_ROWS_MIN, compared value for value with the group's holder), else into a new group. Only
-        sequences of one scope are ever compared."""
-        scope, prompt = seq.request.scope, seq.request.prompt
-        for kin in {id(kin): kin for kin in self._kin.values() if kin.scope == scope}.values():
-            holder = self._live[kin.holder()]
-            assert holder.request.scope == scope
-            limit = min(common_prefix_length(tuple(holder.request.prompt), tuple(prompt)), kin.rows[holder.lane],
-                        seq.position)
-            if limit < SHARED_ROWS_MIN:
-                continue
-            rows = equal_rows(holder.cache, seq.cache, limit)
-            if rows >= SHARED_ROWS_MIN:
-                kin.rows[seq.lane] = rows
-                self._kin[seq.lane] = kin
-                return
-        self._kin[seq.lane] = Kin(scope, {seq.lane: seq.position})
 
     def _choose(self, seq: Running) -> None:
         """Sample the next token from `seq.prediction`, hand out its text, and see whether the reply ends."""
@@ -546,9 +472,7 @@ class Runner:
         is zeroed, the rows it wrote are counted."""
         self._live.pop(seq.lane, None)
         seq.donor = None
-        kin = self._kin.pop(seq.lane, None)
-        if kin is not None:
-            del kin.rows[seq.lane]
+        self._kinship.leave(seq.lane)
         for tensor in seq.scratch:
             tensor.zero_()
         seq.scratch.clear()
