@@ -4,8 +4,9 @@ Model calls run off the event loop, in one worker thread per model, so the HTTP 
 while prompts are prefilled. Callers take turns: each has its own FIFO, and requests are admitted from the
 callers round-robin, so one caller's burst cannot starve another's single request. Up to `max_running`
 admitted requests run at once, each in its own lane of working memory, and the worker advances them in
-steps: each step runs prefill chunks of about `prefill_chunk` tokens in all (the prefilling requests take
-turns, a chunk each, so a long prompt delays a short one by at most one chunk) and one decode step of every
+steps: each step runs prefill chunks of about `prefill_chunk` tokens in all, or `PREFILL_PER_RUNNING` per
+running request where that is more (the prefilling requests take turns, a chunk each, so a long prompt delays a
+short one by at most one step's chunks) and one decode step of every
 request that is decoding, batched into one forward where the model allows it (`Runner.decode`). A request whose
 prompt a running request of its caller is computing copies that request's rows instead, and waits for them
 (`Runner.follow`). Finished requests leave between steps, and waiting ones take their lanes.
@@ -96,6 +97,12 @@ TICK_S = 1.0
 """How often an idle worker expires state past its time to live."""
 MAX_RUNNING = 32
 """Requests that run at once by default: the lanes of working memory (see BATCHING.md for their size)."""
+PREFILL_PER_RUNNING = 128
+"""Prompt tokens a step may prefill per running request, when that exceeds `prefill_chunk`: with many requests
+running, their next turns' prompts are computed in a step or two and decode steps run full batches again, which
+is what a step's fixed costs (its shared rows, its per-layer overhead) are spread over. `tenzro bench load`, 32
+clients, 45 s, one thread, side by side: 227.6 output tokens/s at 128, 209.5 at 64, 193.6 with one chunk per
+step; TTFT p99 at 8 clients 554, 818 and 659 ms (BATCHING.md, "The step's prefill budget")."""
 
 
 class Scheduler:
@@ -270,13 +277,13 @@ class Scheduler:
                         following.add(seq)
                 except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                     self._drop([(job, seq)], exc)
-        # Prefill chunks, the prefilling requests taking turns, until the step has run about one chunk's tokens.
-        spent = 0
+        # Prefill chunks, the prefilling requests taking turns, until the step has run about its budget.
+        spent, budget = 0, max(self.runner.prefill_chunk, PREFILL_PER_RUNNING * len(self._running))
         while prefilling := [(job, seq) for job, seq in self._running
                              if seq.prefilling and not seq.done and seq not in following]:
             job, seq = prefilling[self._turn % len(prefilling)]
             size = seq.next_chunk
-            if spent and spent + size > self.runner.prefill_chunk:
+            if spent and spent + size > budget:
                 break
             self._turn += 1
             spent += size

@@ -101,6 +101,27 @@ async def test_more_requests_than_lanes_all_complete(small_model_dir: Path) -> N
     assert [result.output_ids for result in results] == expected
 
 
+async def test_a_step_prefills_128_tokens_per_running_request(small_model_dir: Path) -> None:
+    """Four 96-token prompts in chunks of 16: the first step's budget (4 x 128 tokens) computes all four, so every
+    decode step runs all four; with one chunk per step they would start decoding one after another."""
+    loaded = load_model("small", small_model_dir)
+    batch = [GenerationRequest(Scope(f"caller-{i}", loaded.model_id), tokens(50 + i, 96),
+                               SamplingParams(max_tokens=5, temperature=0.0)) for i in range(4)]
+    alone = Runner(loaded, None)
+    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+    runner = reuse_runner(loaded, prefill_chunk=16)
+    scheduler = Scheduler(runner, max_queue=16)
+    jobs = [scheduler.submit(request.scope.caller, request) for request in batch]  # all admitted in one step
+    scheduler.start()
+    try:
+        results = [await outcome(job) for job in jobs]
+    finally:
+        scheduler.stop()
+    assert [result.output_ids for result in results] == expected
+    state = runner.engine_state()
+    assert state["decode_steps"] == state["batched_steps"] == 4 and state["largest_batch"] == 4
+
+
 @asynccontextmanager
 async def started(runner: Runner, prompt: list[int], max_tokens: int) -> AsyncIterator[tuple[Scheduler, Job]]:
     """A scheduler on `runner` and alice's request of `prompt`, once it is admitted (its prefill has begun)."""
