@@ -213,6 +213,7 @@ class BatchedDecode:
             self._work = torch.zeros(floats + floats // 2)
         return self._work
 
+    @torch.inference_mode()  # the scratch is made in a step, under inference mode
     def wipe_scratch(self) -> None:
         """Zero the scratch: it holds the last step's attention weights, which are derived from a caller's
         keys."""
@@ -233,9 +234,10 @@ class BatchedDecode:
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], positions: Sequence[int], caches: Sequence[DynamicCache],
-             device: torch.device, shared: Sequence[Shared] = ()) -> torch.Tensor:
+             device: torch.device, shared: Sequence[Shared] = (), logits: bool = True) -> torch.Tensor:
         """Run one token per sequence (`tokens[b]` at `positions[b]` into `caches[b]`), attending each group
-        of `shared` rows once for its members; returns the logits `[B, vocab]` in float32."""
+        of `shared` rows once for its members; returns the logits `[B, vocab]` in float32 (`[B, 0]` without
+        `logits`: the head is not run, only the caches are written)."""
         rows = _STEP.rows = RowsCache(caches, self._inner, self._sdpa, shared, self._kernels, self._scratch)
         for config in self._configs:
             # transformers builds no mask for an implementation it has no mask function for.
@@ -243,13 +245,14 @@ class BatchedDecode:
         try:
             out = self._model(input_ids=torch.tensor(tokens, device=device).unsqueeze(1),
                               position_ids=torch.tensor(positions, device=device).unsqueeze(1),
-                              cache=_STEP.rows, use_cache=True, logits_to_keep=1)
+                              cache=_STEP.rows, use_cache=True,
+                              logits_to_keep=1 if logits else torch.zeros(0, dtype=torch.long, device=device))
         finally:
             _STEP.rows = None
             self.shared_rows += rows.shared_rows
             for config, name in zip(self._configs, self._implementations, strict=True):
                 config._attn_implementation_internal = name
-        return out.logits[:, -1].float()
+        return out.logits[:, -1].float() if logits else out.logits.new_zeros(len(tokens), 0)
 
 
 def batch_blocker(model: Any) -> str | None:

@@ -113,6 +113,8 @@ class Running:
     ttft: float = 0.0
     discard: bool = False
     """Its caller went while it ran: nothing of it is stored."""
+    fed: bool = False
+    """Its last sampled token has run (`Runner.feed_last`): `finish` stores the state as it is."""
     donor: tuple[Running, int] | None = None
     """(request, n): a running request of the same caller whose prompt agrees with this one's for n tokens, and
     which computes them ahead of this one; this one copies its rows instead of computing them (`Runner.follow`)."""
@@ -174,13 +176,16 @@ class Runner:
         self.batched_steps = 0
         """Decode steps that ran several sequences in one forward."""
         self.largest_batch = 0
+        self.fed_together = 0
+        """Ended requests whose last token ran in one forward with others' (`feed_last`)."""
 
     def engine_state(self) -> dict[str, Any]:
         """For `GET /v1/node`: whether decode steps are batched (and why not), and how they ran so far."""
         return {"batched_decode": self.batching is None, "reason": self.batching or "every layer is attention",
                 "prefill_chunk": self.prefill_chunk, "decode_steps": self.decode_steps,
                 "batched_steps": self.batched_steps, "largest_batch": self.largest_batch,
-                "shared_rows": self._batched.shared_rows, "decode_attention": self.decode_attention}
+                "shared_rows": self._batched.shared_rows, "decode_attention": self.decode_attention,
+                "fed_together": self.fed_together}
 
     def sealing_state(self) -> dict[str, Any]:
         """For `GET /v1/node`: whether stored state is sealed, how, and what the tiers hold now."""
@@ -479,6 +484,34 @@ class Runner:
         written = seq.position + len(seq.output)
         self._dirty[seq.lane] = max(self._dirty.get(seq.lane, 0), written)
 
+    def _stores_reply(self, seq: Running) -> bool:
+        """Whether `finish` stores `seq`'s state with its last sampled token, which has not run yet."""
+        return (seq.request.retain and self.keeps_state and not seq.discard and not seq.prefilling
+                and bool(seq.output) and not seq.fed and self.prefix_cache is not None)
+
+    @torch.inference_mode()
+    def feed_last(self, seqs: Sequence[Running]) -> None:
+        """Run the last sampled token of ended sequences that store their state, as one batched forward without
+        the head where their caches allow it (`finish` then stores them as they are); else leave it to `finish`,
+        one forward each. Requests of a wave end in the same step."""
+        feed = [seq for seq in seqs if self._stores_reply(seq)]
+        if len(feed) < 2 or self.batching is not None or not all(batchable(seq.cache) for seq in feed):
+            return
+        try:
+            self._batched.step([seq.output[-1] for seq in feed],
+                               [len(seq.request.prompt) + len(seq.output) - 1 for seq in feed],
+                               [seq.cache for seq in feed], self.loaded.device,
+                               self._kinship.groups(feed, self._live), logits=False)
+        except BaseException:
+            for seq in feed:
+                seq.discard = True  # their caches may be part written: nothing of them is stored
+            raise
+        self.fed_together += len(feed)
+        for seq in feed:
+            seq.fed = True
+            if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:
+                seq.snapshots[len(seq.request.prompt) + len(seq.output)] = self.loaded.state.snapshot(seq.cache)
+
     @torch.inference_mode()
     def finish(self, seq: Running) -> GenerationResult:
         """`seq` has ended: feed its last token, store its state for the caller, and account for it."""
@@ -496,7 +529,7 @@ class Runner:
                                     ttft_s=seq.ttft, retained=False, matched_tokens=matched)
         if seq.prefilling:
             fed = prompt[:seq.position]  # cancelled before its prompt was computed: what was computed is kept
-        elif output and self.prefix_cache is not None:
+        elif output and self.prefix_cache is not None and not seq.fed:
             # The last token was sampled but not yet run: run it so the stored state ends with the reply.
             self.loaded.extend([output[-1]], len(fed) - 1, seq.cache)
             if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:

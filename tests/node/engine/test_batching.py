@@ -174,6 +174,7 @@ async def test_requests_that_end_in_the_same_step_keep_their_state(small_model_d
              for seed, name in enumerate(("alice", "bob"))]
     runner = reuse_runner(loaded, prefill_chunk=256)  # both prompts prefill in the first step
     replies = await run_together(runner, first)
+    assert runner.engine_state()["fed_together"] == 2  # their last tokens ran in one forward
     follow = [GenerationRequest(request.scope, request.prompt + reply.output_ids + tokens(7, 9),
                                 SamplingParams(max_tokens=6, temperature=0.0))
               for request, reply in zip(first, replies, strict=True)]
@@ -182,6 +183,47 @@ async def test_requests_that_end_in_the_same_step_keep_their_state(small_model_d
     results = await run_together(runner, follow)
     assert [result.output_ids for result in results] == expected
     assert [result.cached_read_tokens for result in results] == [64, 64]  # prompt and reply
+
+
+async def test_a_failed_feed_of_last_tokens_stores_nothing_and_replies(small_model_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward that runs ended requests' last tokens together fails: their caches may be part written, so
+    nothing of them is stored; their replies still come, and the node goes on."""
+    loaded = load_model("small", small_model_dir)
+    first = [GenerationRequest(Scope(name, "small"), tokens(seed, 60), SamplingParams(max_tokens=4, temperature=0.0))
+             for seed, name in enumerate(("alice", "bob"))]
+    alone = Runner(loaded, None)
+    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in first]
+    runner = reuse_runner(loaded, prefill_chunk=256)
+    step = runner._batched.step
+
+    def failing(*args: object, logits: bool = True, **kwargs: object) -> torch.Tensor:
+        if not logits:
+            raise RuntimeError("feed failed")
+        return step(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner._batched, "step", failing)
+    results = await run_together(runner, first)
+    assert [result.output_ids for result in results] == expected
+    assert [result.retained for result in results] == [False, False]
+    assert runner.engine_state()["fed_together"] == 0
+    again = await run_together(runner, first)
+    assert [result.cached_read_tokens for result in again] == [0, 0]
+    assert [result.output_ids for result in again] == expected
+
+
+async def test_settle_zeroes_the_native_attention_scratch(small_model_dir: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """The native decode attention's scratch holds the last step's attention weights, derived from a caller's keys:
+    once the replies are out it reads back as zeros."""
+    loaded = load_model("small", small_model_dir)
+    runner = reuse_runner(loaded)
+    if runner.decode_attention != "native":
+        pytest.skip("the native decode attention runs only where the kernels load and torch runs one thread")
+    await run_together(runner, requests(loaded.model_id))
+    scratch = runner._batched._work
+    assert scratch.numel() > 0 and not scratch.any()
+    assert "housekeeping failed" not in caplog.text
 
 
 def one_callers_requests(model: str, scope: str | None = None, max_tokens: int = 8) -> list[GenerationRequest]:
