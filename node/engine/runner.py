@@ -509,8 +509,6 @@ class Runner:
         self.fed_together += len(feed)
         for seq in feed:
             seq.fed = True
-            if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:
-                seq.snapshots[len(seq.request.prompt) + len(seq.output)] = self.loaded.state.snapshot(seq.cache)
 
     @torch.inference_mode()
     def finish(self, seq: Running) -> GenerationResult:
@@ -529,9 +527,10 @@ class Runner:
                                     ttft_s=seq.ttft, retained=False, matched_tokens=matched)
         if seq.prefilling:
             fed = prompt[:seq.position]  # cancelled before its prompt was computed: what was computed is kept
-        elif output and self.prefix_cache is not None and not seq.fed:
-            # The last token was sampled but not yet run: run it so the stored state ends with the reply.
-            self.loaded.extend([output[-1]], len(fed) - 1, seq.cache)
+        elif output and self.prefix_cache is not None:
+            if not seq.fed:
+                # The last token was sampled but not yet run: run it so the stored state ends with the reply.
+                self.loaded.extend([output[-1]], len(fed) - 1, seq.cache)
             if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:
                 seq.snapshots[len(fed)] = self.loaded.state.snapshot(seq.cache)
         held = tuple(fed)  # one tuple for the hot working cache and the remembered forms

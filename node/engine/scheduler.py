@@ -298,8 +298,7 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - the step's requests fail, the others go on
                 self._drop(decoding, exc)
         ended = [(job, seq) for job, seq in self._running if seq.done]
-        if len(ended) > 1:
-            self._guarded(lambda: self.runner.feed_last([seq for _, seq in ended]))
+        self._guarded(lambda: self.runner.feed_last([seq for _, seq in ended]))
         for job, seq in ended:
             self._running.remove((job, seq))
             try:
