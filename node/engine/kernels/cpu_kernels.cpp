@@ -293,21 +293,28 @@ inline float lane_sum(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(z, _mm_movehdup_ps(z)));
 }
 
+// Row j of a row-major [n, LINES * 16] matrix M into r, prefetching the row 16 further on (its first two lines).
+template <int LINES>
+inline void load_row_ahead(const float* M, int64_t j, __m512* r) {
+  constexpr int64_t D = LINES * 16, AHEAD_ROWS = 16;
+  _mm_prefetch(reinterpret_cast<const char*>(M + (j + AHEAD_ROWS) * D), _MM_HINT_T0);
+  if (LINES > 4) _mm_prefetch(reinterpret_cast<const char*>(M + (j + AHEAD_ROWS) * D + 64), _MM_HINT_T0);
+  for (int l = 0; l < LINES; l++) r[l] = _mm512_loadu_ps(M + j * D + l * 16);
+}
+
 // Scores S[q * n + j] = qs_q . k_j of QB scaled queries qs [QB, LINES * 16] against n key rows K, each key row
 // loaded once for all QB; top[q] gets each query's largest score.
 template <int LINES, int QB>
 void score_rows(const float* qs, const float* K, int64_t n, float* S, float* top) {
-  constexpr int64_t D = LINES * 16, AHEAD_ROWS = 16;
+  constexpr int64_t D = LINES * 16;
   __m512 qv[QB][LINES];
   for (int q = 0; q < QB; q++)
     for (int l = 0; l < LINES; l++) qv[q][l] = _mm512_load_ps(qs + q * D + l * 16);
   float mx[QB];
   for (int q = 0; q < QB; q++) mx[q] = -__builtin_inff();
   for (int64_t j = 0; j < n; j++) {
-    _mm_prefetch(reinterpret_cast<const char*>(K + (j + AHEAD_ROWS) * D), _MM_HINT_T0);
-    if (LINES > 4) _mm_prefetch(reinterpret_cast<const char*>(K + (j + AHEAD_ROWS) * D + 64), _MM_HINT_T0);
     __m512 kv[LINES];
-    for (int l = 0; l < LINES; l++) kv[l] = _mm512_loadu_ps(K + j * D + l * 16);
+    load_row_ahead<LINES>(K, j, kv);
     for (int q = 0; q < QB; q++) {
       __m512 a = _mm512_mul_ps(qv[q][0], kv[0]);
       for (int l = 1; l < LINES; l++) a = _mm512_fmadd_ps(qv[q][l], kv[l], a);
@@ -322,15 +329,13 @@ void score_rows(const float* qs, const float* K, int64_t n, float* S, float* top
 // o[q] = sum_j P[q * n + j] v_j / total[q] for QB queries over n value rows V, each row loaded once for all QB.
 template <int LINES, int QB>
 void weigh_rows(const float* P, const float* V, int64_t n, const float* total, float* o) {
-  constexpr int64_t D = LINES * 16, AHEAD_ROWS = 16;
+  constexpr int64_t D = LINES * 16;
   __m512 acc[QB][LINES];
   for (int q = 0; q < QB; q++)
     for (int l = 0; l < LINES; l++) acc[q][l] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j++) {
-    _mm_prefetch(reinterpret_cast<const char*>(V + (j + AHEAD_ROWS) * D), _MM_HINT_T0);
-    if (LINES > 4) _mm_prefetch(reinterpret_cast<const char*>(V + (j + AHEAD_ROWS) * D + 64), _MM_HINT_T0);
     __m512 vv[LINES];
-    for (int l = 0; l < LINES; l++) vv[l] = _mm512_loadu_ps(V + j * D + l * 16);
+    load_row_ahead<LINES>(V, j, vv);
     for (int q = 0; q < QB; q++) {
       const __m512 p = _mm512_set1_ps(P[q * n + j]);
       for (int l = 0; l < LINES; l++) acc[q][l] = _mm512_fmadd_ps(p, vv[l], acc[q][l]);
