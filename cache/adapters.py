@@ -271,6 +271,19 @@ class ModelStateAdapter:
         if snapshot is not None:
             self.restore_snapshot(cache, snapshot, position)
 
+    def lane_row_bytes(self, lane: int = 0) -> int:
+        """Bytes one token row takes in `lane`'s working buffers (0 before it holds any)."""
+        pool = self._pools.get(lane)
+        return 0 if pool is None else pool.row_bytes
+
+    def reserve_lanes(self, lanes: int, rows: int, like: int = 0) -> None:
+        """Give lanes `[0, lanes)` working buffers of `rows` token rows, shaped as lane `like`'s (which holds
+        some), zeroed: the first requests in them do not page-fault fresh memory."""
+        model = self._pools[like]
+        for lane in range(lanes):
+            self._pools.setdefault(lane, BufferPool()).reserve(model, rows)
+            self._last.pop(lane, None)  # its views may be of buffers just replaced
+
     def wipe_pool(self, keep: int, dirty: int, lane: int = 0) -> None:
         """Zero rows `[keep, dirty)` of `lane`'s working buffers: what they hold there is no longer hot state."""
         pool = self._pools.get(lane)

@@ -57,6 +57,18 @@ class BufferPool:
     def held(self, slot: int) -> torch.Tensor | None:
         return self._buffers.get(slot)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one token row takes across the pool's buffers."""
+        return sum(buffer.nbytes // buffer.shape[2] for buffer in self._buffers.values())
+
+    def reserve(self, like: BufferPool, rows: int) -> None:
+        """Hold buffers of at least `rows` token rows, shaped as `like`'s, and write zeros to them: their pages
+        are faulted in now, not on a request's time to first token."""
+        for slot, buffer in like._buffers.items():
+            self.take(slot, buffer, (*buffer.shape[:2], rows, *buffer.shape[3:]))
+        self.zero_rows(0, max(buffer.shape[2] for buffer in self._buffers.values()))
+
     @torch.inference_mode()
     def zero_rows(self, start: int, end: int) -> None:
         """Zero token rows `[start, end)` of every buffer."""

@@ -39,6 +39,7 @@ from router.cli import add_router_commands
 if TYPE_CHECKING:
     from node.identity import NodeIdentity
     from node.meter import Meter, MeteringPaths
+    from node.service import ModelService
 
 
 def default_threads() -> int:
@@ -156,7 +157,8 @@ def _serve(args: argparse.Namespace) -> int:
     gc.freeze()
     forward = loaded.forward_path
     message = (_how_to_call(args.host, args.port, model_id, new_key)
-               + f"Forward: {forward.name} ({forward.reason}); TENZRO_NATIVE=off selects transformers' forward\n")
+               + f"Forward: {forward.name} ({forward.reason}); TENZRO_NATIVE=off selects transformers' forward\n"
+               + _lanes_line(service, config.limits.max_running))
     try:
         # handler_cancellation: a client that goes away cancels its handler, which stops its generation.
         web.run_app(app, host=args.host, port=args.port, access_log=None, handler_cancellation=True,
@@ -167,6 +169,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _lanes_line(service: ModelService, lanes: int) -> str:
+    rows, state = service.runner.lane_rows, service.loaded.state
+    if not rows or state is None:
+        return "Working memory: lanes are allocated when first used (limits.lane_bytes)\n"
+    held = lanes * rows * state.lane_row_bytes(0)
+    return f"Working memory: {lanes} lanes of {rows} token rows reserved, {held / 2**20:.0f} MiB (limits.lane_bytes)\n"
 
 
 def _keys_add(args: argparse.Namespace) -> int:

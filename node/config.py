@@ -59,6 +59,10 @@ class Limits:
     prefill_chunk: int = 256
     """Prompt tokens per prefill chunk: a request arriving while a long prompt prefills waits at most about
     one chunk per prefilling request before its own prompt's chunks run."""
+    lane_bytes: int = 2 * GIB
+    """Working memory given to the `max_running` lanes at start, in all, per model (`Runner.reserve_lanes`):
+    written once then, so the first requests after a start do not fault fresh pages in on their time to first
+    token. 0: lanes are allocated when first used. Lanes grow past it when a request needs more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +142,7 @@ def parse_config(raw: Any) -> NodeConfig:
     defaults = NodeConfig()
     cache = _section(top.get("cache"), "cache", {"node_bytes", "caller_bytes", "plaintext_bytes"})
     limits = _section(top.get("limits"), "limits", {"max_queue", "max_body_bytes", "default_max_tokens",
-                                                    "max_running", "prefill_chunk"})
+                                                    "max_running", "prefill_chunk", "lane_bytes"})
     for key in ("max_running", "prefill_chunk"):
         if limits.get(key) == 0:
             raise ConfigError(f"'limits.{key}' must be at least 1")
@@ -176,7 +180,7 @@ def _dump(config: NodeConfig) -> dict[str, Any]:
                   "plaintext_bytes": config.plaintext_bytes},
         "limits": {"max_queue": config.limits.max_queue, "max_body_bytes": config.limits.max_body_bytes,
                    "default_max_tokens": config.limits.default_max_tokens, "max_running": config.limits.max_running,
-                   "prefill_chunk": config.limits.prefill_chunk},
+                   "prefill_chunk": config.limits.prefill_chunk, "lane_bytes": config.limits.lane_bytes},
     }
 
 

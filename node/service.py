@@ -62,6 +62,7 @@ class ModelService:
     def create(cls, loaded: LoadedModel, prefix_cache: PrefixCache | None, limits: Limits,
                policy: SnapshotPolicy | None = None) -> ModelService:
         runner = Runner(loaded, prefix_cache, prefill_chunk=limits.prefill_chunk, policy=policy)
+        runner.reserve_lanes(limits.max_running, limits.lane_bytes)
         return cls(loaded, runner, Scheduler(runner, limits.max_queue, limits.max_running))
 
     @property

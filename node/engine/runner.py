@@ -24,6 +24,7 @@ from cache.arena import Borrowed, Scope, SealCost, SealedEntryError, StateArena
 from cache.prefix_cache import PrefixCache, StoreResult, belongs_to
 from cache.radix_tree import common_prefix_length
 from cache.snapshot_policy import SnapshotPolicy
+from cache.working_cache import ROWS_GRAIN
 from node.engine.batch_forward import BatchedDecode, batch_blocker, batchable
 from node.engine.cpu_kernels import load_kernels
 from node.engine.detokenizer import Detokenizer
@@ -177,7 +178,33 @@ class Runner:
         """Decode steps that ran several sequences in one forward."""
         self.largest_batch = 0
         self.fed_together = 0
+        self.lane_rows = 0
+        """Token rows each lane's buffers were given at start (`reserve_lanes`)."""
         """Ended requests whose last token ran in one forward with others' (`feed_last`)."""
+
+    def reserve_lanes(self, lanes: int, budget: int) -> int:
+        """At start: give `lanes` lanes working buffers of as many token rows as `budget` bytes allow in all (whole
+        grains of `ROWS_GRAIN`, at most the model's context), written with zeros. A lane's first request would
+        otherwise fault its buffers' pages in on its time to first token: 15 to 90 ms per 31 MiB on a VM
+        (BATCHING.md, "Memory: lanes"). Returns the rows each lane holds (0: nothing reserved; lanes then
+        allocate when first used). Lanes still grow past it when a request needs more."""
+        state = self.loaded.state
+        if state is None or lanes <= 0 or budget <= 0:
+            return 0
+        if not state.lane_row_bytes(0):
+            # Learn the buffers' shapes (heads, head dim, dtype per layer) from one token run in lane 0.
+            with torch.inference_mode():
+                cache, _ = state.new_cache(1, lane=0)
+                self.loaded.forward([0], 0, cache)
+                state.wipe_pool(0, 1, lane=0)
+        row_bytes = state.lane_row_bytes(0)
+        if not row_bytes:
+            return 0  # no layer keeps K/V rows in lane buffers (recurrent models)
+        rows = min(budget // (lanes * row_bytes), self.loaded.context_length) // ROWS_GRAIN * ROWS_GRAIN
+        if rows:
+            state.reserve_lanes(lanes, rows)
+        self.lane_rows = rows
+        return rows
 
     def engine_state(self) -> dict[str, Any]:
         """For `GET /v1/node`: whether decode steps are batched (and why not), and how they ran so far."""
@@ -185,7 +212,7 @@ class Runner:
                 "prefill_chunk": self.prefill_chunk, "decode_steps": self.decode_steps,
                 "batched_steps": self.batched_steps, "largest_batch": self.largest_batch,
                 "shared_rows": self._batched.shared_rows, "decode_attention": self.decode_attention,
-                "fed_together": self.fed_together}
+                "fed_together": self.fed_together, "reserved_lane_rows": self.lane_rows}
 
     def sealing_state(self) -> dict[str, Any]:
         """For `GET /v1/node`: whether stored state is sealed, how, and what the tiers hold now."""

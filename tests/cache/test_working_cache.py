@@ -61,3 +61,18 @@ def test_a_continuing_request_cuts_the_last_layer_back_in_place() -> None:
     assert layer.get_seq_length() == 6 and torch.equal(layer.keys, keys[:, :, :6])
     layer.defer(*kv(9, 3))
     assert not layer.truncate(2, 16)  # pieces held by reference
+
+
+def test_a_reserved_pool_holds_zeroed_buffers_shaped_as_its_model_and_keeps_them() -> None:
+    model = BufferPool()
+    layer = GrowableKVLayer(capacity=4, pool=model)
+    layer.update(*kv(9, 3))
+    pool = BufferPool()
+    pool.reserve(model, 1000)
+    assert pool.row_bytes == model.row_bytes == 2 * (2 * 8 * 4)  # keys and values: 2 heads of 8 floats
+    held = [pool.held(slot) for slot in (0, 1)]
+    assert all(buffer is not None and buffer.shape == (1, 2, 1024, 8) and not buffer.any() for buffer in held)
+    # A request of up to the reserved rows takes those buffers: nothing is allocated on its time.
+    layer = GrowableKVLayer(capacity=1000, pool=pool)
+    layer.update(*kv(10, 1000))
+    assert [pool.held(slot) for slot in (0, 1)] == held

@@ -101,6 +101,26 @@ async def test_more_requests_than_lanes_all_complete(small_model_dir: Path) -> N
     assert [result.output_ids for result in results] == expected
 
 
+async def test_requests_in_reserved_lanes_allocate_nothing_and_get_what_they_get_alone(small_model_dir: Path) -> None:
+    loaded = load_model("small", small_model_dir)
+    batch = requests(loaded.model_id)
+    alone = Runner(loaded, None)
+    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+    runner = reuse_runner(loaded)
+    assert loaded.state is not None
+    row_bytes = loaded.state.lane_row_bytes(0)  # the sealing cost probe ran in lane 0
+    assert row_bytes > 0
+    assert runner.reserve_lanes(4, 0) == 0 and runner.reserve_lanes(4, 4 * 511 * row_bytes) == 0  # under a grain
+    assert runner.reserve_lanes(4, 4 * 1100 * row_bytes) == 1024
+    assert runner.engine_state()["reserved_lane_rows"] == 1024
+    pools = [loaded.state._pools[lane]._buffers for lane in range(4)]
+    assert all(buffer.shape[2] == 1024 and not buffer.any() for pool in pools for buffer in pool.values())
+    held = [{slot: buffer.data_ptr() for slot, buffer in pool.items()} for pool in pools]
+    results = await run_together(runner, batch, max_running=4)
+    assert [result.output_ids for result in results] == expected
+    assert [{slot: buffer.data_ptr() for slot, buffer in pool.items()} for pool in pools] == held
+
+
 async def test_a_step_prefills_128_tokens_per_running_request(small_model_dir: Path) -> None:
     """Four 96-token prompts in chunks of 16: the first step's budget (4 x 128 tokens) computes all four, so every
     decode step runs all four; with one chunk per step they would start decoding one after another."""
