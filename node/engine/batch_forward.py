@@ -41,10 +41,13 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _NEUTRAL = {"dropout": 0.0, "sliding_window": None, "softcap": None, "s_aux": None, "position_bias": None}
 """Attention arguments a shared-rows attention takes only at these values (the rest are positions, or flags of
 no effect on one query); with any other value, or one it does not know, rows attend one by one."""
-NATIVE_SHARED_QUERIES = 16
+NATIVE_SHARED_QUERIES = 32
 """Most queries per key/value head (a group's members times query heads per key/value head) whose attention over
-shared rows the native decode attention takes: up to 16 it beats SDPA's flash kernel (cold 1k rows, 8 layers:
-4.8 against 6.8 ms at 8, 7.4 against 8.1 ms at 16), at 32 the flash kernel is ahead (11.6 against 12.2 ms)."""
+shared rows the native decode attention takes (`scripts/decode_attention_ab.py`, 1k rows, 8 layers). On a Zen 5
+VM it beats SDPA's flash kernel at 8, 16 and 32 queries (2.1 against 3.5 ms, 3.4 against 4.8, 5.9 against 7.4),
+and a whole step of 32 sequences over 1k to 1.5k-token histories takes 38.1 to 47.5 ms against 39.7 to 49.4 ms
+with the flash kernel at 32. On a Zen 4 VM the flash kernel was ahead at 32 (11.0 against 11.4 ms), about 1% of
+such a step."""
 _HARMLESS = frozenset({"scaling", "position_ids", "cache_position", "output_attentions", "output_router_logits",
                        "use_cache", "is_causal"})
 
