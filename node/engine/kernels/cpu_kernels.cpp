@@ -293,12 +293,12 @@ inline float lane_sum(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(z, _mm_movehdup_ps(z)));
 }
 
-// Row j of a row-major [n, LINES * 16] matrix M into r, prefetching the row 16 further on (its first two lines).
+// Row j of a row-major [n, LINES * 16] matrix M into r, prefetching every line of the row 16 further on.
 template <int LINES>
 inline void load_row_ahead(const float* M, int64_t j, __m512* r) {
   constexpr int64_t D = LINES * 16, AHEAD_ROWS = 16;
-  _mm_prefetch(reinterpret_cast<const char*>(M + (j + AHEAD_ROWS) * D), _MM_HINT_T0);
-  if (LINES > 4) _mm_prefetch(reinterpret_cast<const char*>(M + (j + AHEAD_ROWS) * D + 64), _MM_HINT_T0);
+  for (int l = 0; l < LINES; l++)
+    _mm_prefetch(reinterpret_cast<const char*>(M + (j + AHEAD_ROWS) * D + l * 16), _MM_HINT_T0);
   for (int l = 0; l < LINES; l++) r[l] = _mm512_loadu_ps(M + j * D + l * 16);
 }
 
