@@ -1,0 +1,24 @@
+"""Request bodies parse by one set of rules whichever parser the size picks (orjson small, json large)."""
+
+from __future__ import annotations
+
+import pytest
+
+from node.api.body import ORJSON_MAX_BYTES, parse_json
+from node.errors import InvalidRequest
+
+PAD = b" " * ORJSON_MAX_BYTES  # whitespace: the same document, parsed by the large-body path
+
+
+@pytest.mark.parametrize("raw", [b'{"a": NaN}', b'{"a": -Infinity}', b"\xff{}", b"[1,]", b'{"a": ', b""])
+def test_invalid_bodies_are_refused_the_same_small_and_large(raw: bytes) -> None:
+    for body in (raw, raw + PAD):
+        with pytest.raises(InvalidRequest) as caught:
+            parse_json(body)
+        assert caught.value.code == "invalid_json"
+
+
+def test_valid_bodies_parse_the_same_small_and_large() -> None:
+    raw = '{"prompt": "h\\u00e9llo w\u00f6rld", "ids": [1, 2.5, -3], "flags": [true, false, null]}'.encode()
+    small, large = parse_json(raw), parse_json(raw + PAD)
+    assert small == large == {"prompt": "h\u00e9llo w\u00f6rld", "ids": [1, 2.5, -3], "flags": [True, False, None]}
