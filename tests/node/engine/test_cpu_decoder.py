@@ -13,7 +13,7 @@ from cache.adapters import ModelStateAdapter
 from cache.state_spec import model_state_specs
 from cache.working_cache import GrowableKVLayer
 from node.engine import loader
-from node.engine.cpu_decoder import MAX_TOKENS, CpuDecoder
+from node.engine.cpu_decoder import PIECE_TOKENS, CpuDecoder
 from node.engine.cpu_kernels import CpuKernels
 from node.engine.cpu_layout import transpose_linear_weights
 from node.engine.loader import load_model
@@ -58,12 +58,12 @@ def test_chunks_after_a_prefill_match_one_pass(kernels: CpuKernels, variant: dic
     generator = torch.Generator().manual_seed(3)
     ids = torch.randint(3, VOCAB, (200,), generator=generator).tolist()
     # A prefill by transformers, then chunks of every kind the decoder takes: torch attention (1, 5),
-    # kernel attention (16, 33, 64), and the decode steps after them.
+    # kernel attention (16, 33, 64), a chunk of two pieces (72: 64 and 8), and the decode steps after them.
     cache, _ = state.new_cache(len(ids))
     with torch.inference_mode():
-        model(input_ids=torch.tensor([ids[:80]]), cache=cache, use_cache=True)
-    position = 80
-    for size in (16, 1, 33, 5, MAX_TOKENS, 1):
+        model(input_ids=torch.tensor([ids[:8]]), cache=cache, use_cache=True)
+    position = 8
+    for size in (PIECE_TOKENS + 8, 16, 1, 33, 5, PIECE_TOKENS, 1):
         prediction = decoder.forward(ids[position:position + size], position, cache)
         greedy = prediction.greedy()  # screened on the truncated head, before any logits exist
         got = prediction.logits()
@@ -106,7 +106,8 @@ def test_decoder_refuses_what_it_does_not_compute(kernels: CpuKernels) -> None:
     assert decoder is not None
     working = DynamicCache(config=decoder._model.config)
     working.layers = [GrowableKVLayer(10) for _ in working.layers]
-    assert decoder.takes(MAX_TOKENS, working) and not decoder.takes(MAX_TOKENS + 1, working)
+    assert decoder.takes(PIECE_TOKENS, working) and decoder.takes(4 * PIECE_TOKENS + 1, working)
+    assert not decoder.takes(0, working)
     assert not decoder.takes(1, DynamicCache(config=decoder._model.config))  # layers it cannot write in place
 
 
