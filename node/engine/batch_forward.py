@@ -16,8 +16,11 @@ sequence, which is what bounds a step of many sequences over long histories. Gro
 runner forms them from one caller's sequences only. Where the CPU kernels run, each row's own rows are attended
 by the native decode attention, all rows of a layer in one call (`_attend_each`).
 
-It applies to models whose every cache layer is attention (full or sliding-window): recurrent layers keep
-their state in the layer object, one per sequence, and step one sequence at a time (`batchable`).
+Recurrent layers (Mamba-1/2 scans, gated delta-net, short convs, alone or beside attention) keep one
+position's conv and recurrent states per sequence. For the step they are stacked along the batch (`[B, ...]`),
+the model's own mixers update them for all rows at once, and each row's states are copied back into its own
+layer afterwards (`RowsCache.scatter`): a copy of one position's state per sequence and layer, against a forward
+per sequence that reads every weight again.
 """
 
 from __future__ import annotations
@@ -30,7 +33,14 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import (
+    Cache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from cache.working_cache import GrowableKVLayer
@@ -57,14 +67,22 @@ _STEP = threading.local()
 """The `RowsCache` of the decode step running on this thread, if any."""
 
 
-class RowsCache:
-    """The cache a batched decode step passes to the model: row b of the batch is `caches[b]`. Each layer's
-    update writes row b's new keys and values into `caches[b]`'s layer and keeps what that layer returns (its
-    whole history) for the attention function."""
+class RowsCache(Cache):
+    """The cache a batched decode step passes to the model: row b of the batch is `caches[b]`. Each attention
+    layer's update writes row b's new keys and values into `caches[b]`'s layer and keeps what that layer returns
+    (its whole history) for the attention function. Each recurrent layer's conv and recurrent states are the
+    rows' states stacked along the batch (`[B, ...]`), which the model's mixers update in place for all rows at
+    once; `scatter` copies them back into each row's own layer after the forward."""
 
     def __init__(self, caches: Sequence[DynamicCache], inner: Callable[[Any], Callable[..., Any]],
                  sdpa: Callable[[Any], bool], shared: Sequence[Shared] = (), kernels: CpuKernels | None = None,
                  work: Callable[[int], torch.Tensor] | None = None) -> None:
+        per_layer: list[tuple[Any, ...]] = list(zip(*(cache.layers for cache in caches), strict=True))
+        stacked: list[Any] = [_stacked(layers) if isinstance(layers[0], LinearAttentionCacheLayerMixin) else _PER_ROW
+                              for layers in per_layer]
+        super().__init__(layers=stacked)
+        self._recurrent: list[tuple[tuple[Any, ...], Any]] = [
+            (layers, layer) for layers, layer in zip(per_layer, stacked, strict=True) if layer is not _PER_ROW]
         self.caches = caches
         self.inner = inner
         """The model's own attention function for a module."""
@@ -85,6 +103,40 @@ class RowsCache:
         self.history[layer_idx] = [layer.update(key_states[row:row + 1], value_states[row:row + 1])
                                    for row, layer in enumerate(layers)]
         return key_states, value_states
+
+    def scatter(self) -> None:
+        """After the forward: each row's recurrent states are its row of the stacked ones (copied in place, as the
+        model updates them)."""
+        for layers, stacked in self._recurrent:
+            for index in range(stacked.number_of_states):
+                if stacked.is_conv_states_initialized[index]:
+                    for row, layer in enumerate(layers):
+                        layer.conv_states[index].copy_(stacked.conv_states[index][row:row + 1])
+                if stacked.is_recurrent_states_initialized[index]:
+                    for row, layer in enumerate(layers):
+                        layer.recurrent_states[index].copy_(stacked.recurrent_states[index][row:row + 1])
+
+
+_PER_ROW = object()
+"""A `RowsCache` layer that is attention: each row's own layer (`RowsCache.update`), nothing batch-wide."""
+
+
+def _stacked(layers: Sequence[Any]) -> LinearAttentionLayer:
+    """One recurrent layer whose states are the rows' (`layers`, each `[1, ...]` per state) stacked along the
+    batch; every row has run before (`batchable`), so the step continues each row's state."""
+    first = layers[0]
+    stacked = LinearAttentionLayer(number_of_states=first.number_of_states)
+    stacked.device, stacked.dtype = first.device, first.dtype
+    for index in range(first.number_of_states):
+        if first.is_conv_states_initialized[index]:
+            stacked.conv_states[index] = torch.cat([layer.conv_states[index] for layer in layers])
+            stacked.conv_kernel_size[index] = first.conv_kernel_size[index]
+            stacked.is_conv_states_initialized[index] = True
+        if first.is_recurrent_states_initialized[index]:
+            stacked.recurrent_states[index] = torch.cat([layer.recurrent_states[index] for layer in layers])
+            stacked.is_recurrent_states_initialized[index] = True
+        stacked.has_previous_state[index] = True
+    return stacked
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +302,7 @@ class BatchedDecode:
                               position_ids=torch.tensor(positions, device=device).unsqueeze(1),
                               cache=_STEP.rows, use_cache=True,
                               logits_to_keep=1 if logits else torch.zeros(0, dtype=torch.long, device=device))
+            rows.scatter()
         finally:
             _STEP.rows = None
             self.shared_rows += rows.shared_rows
@@ -258,13 +311,17 @@ class BatchedDecode:
         return out.logits[:, -1].float() if logits else out.logits.new_zeros(len(tokens), 0)
 
 
+_ROW_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer)
+"""Cache layer kinds a batched step takes, by exact type (a subclass may keep more state): attention, whose rows
+each attend their own history, and recurrent layers, whose states stack along the batch."""
+
+
 def batch_blocker(model: Any) -> str | None:
-    """Why `model`'s decode steps cannot be batched (its layers hold more than keys and values), or None."""
+    """Why `model`'s decode steps cannot be batched (a layer kind the step does not know), or None."""
     layers = DynamicCache(config=model.config).layers
-    kinds = sorted({type(layer).__name__ for layer in layers
-                    if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)})
+    kinds = sorted({type(layer).__name__ for layer in layers if type(layer) not in _ROW_LAYERS})
     if kinds:
-        return f"layers of kind {', '.join(kinds)} keep per-sequence state objects: one sequence per forward"
+        return f"layers of kind {', '.join(kinds)}: one sequence per forward"
     return None
 
 
@@ -272,12 +329,13 @@ def batch_blocker(model: Any) -> str | None:
 def equal_rows(first: DynamicCache, second: DynamicCache, limit: int) -> int:
     """How many of the first `limit` rows every full-attention layer of the two working caches holds bit for
     bit (0 where either has other layers); both are materialized."""
+    pairs: list[tuple[Any, Any]] = [(mine, theirs) for mine, theirs in zip(first.layers, second.layers, strict=True)
+             # sliding layers attend their own window tail, never shared rows
+             if not (isinstance(mine, DynamicSlidingWindowLayer) and isinstance(theirs, DynamicSlidingWindowLayer))]
+    if not all(type(mine) is GrowableKVLayer and type(theirs) is GrowableKVLayer for mine, theirs in pairs):
+        return 0  # another layer's state (recurrent) is not rows to share: nothing to compare
     equal = limit
-    for mine, theirs in zip(first.layers, second.layers, strict=True):
-        if type(mine) is not GrowableKVLayer or type(theirs) is not GrowableKVLayer:
-            if isinstance(mine, DynamicSlidingWindowLayer) and isinstance(theirs, DynamicSlidingWindowLayer):
-                continue  # sliding layers attend their own window tail, never shared rows
-            return 0
+    for mine, theirs in pairs:
         mine.materialize()
         theirs.materialize()
         for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
@@ -294,6 +352,15 @@ def equal_rows(first: DynamicCache, second: DynamicCache, limit: int) -> int:
 
 
 def batchable(cache: DynamicCache) -> bool:
-    """Whether a sequence with this working cache can take part in a batched decode step: every layer is
-    attention whose state is its keys and values (recurrent layers hold per-sequence state objects)."""
-    return all(type(layer) in (GrowableKVLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
+    """Whether a sequence with this working cache can take part in a batched decode step: its attention layers are
+    working layers, and its recurrent layers have run (a state to continue) without recording their past."""
+    layer: Any
+    for layer in cache.layers:
+        kind = type(layer)
+        if kind is GrowableKVLayer or kind is DynamicSlidingWindowLayer:
+            continue
+        if kind not in (LinearAttentionLayer, LinearAttentionAndFullAttentionLayer) or layer.record_past:
+            return False
+        if not all(layer.has_previous_state.values()):
+            return False
+    return True

@@ -5,8 +5,10 @@ algorithm over chunks of `chunk_size` tokens (256 by default), padding the last 
 tokens after a resumed prefix cost about as much as 256. The chunked algorithm continues from the cached
 state correctly; only its cost is the problem. `install` replaces the forward of each mixer instance with
 `mixer_forward`: the tail of a forward after its whole chunks, when short (`SEQUENTIAL_SHARE`), runs through
-`ssd_recurrence`; the whole chunks, longer tails and one-token steps with a cached state (upstream's own
-recurrent decode step) run upstream.
+`ssd_recurrence`, and so does a decode step (a tail of one token); the whole chunks and longer tails run
+upstream. Upstream's own recurrent decode step expands Δ and A to the whole state (`[batch, heads, head_dim,
+state]`) and exponentiates there; the recurrence exponentiates per head and updates the state in one fused
+multiply-add, which is what a batched decode step of many sequences' states is bound by.
 
 The recurrence, per head h (one scalar A_h; B, C shared by the heads of a group), with Δ = clamp(softplus(dt
 + dt_bias), time_step_limit) and A = -exp(A_log):
@@ -157,8 +159,6 @@ def sequential_tail(mixer: Any, seq_len: int, cache: Any, device: torch.device) 
     short = int(mixer.chunk_size * SEQUENTIAL_SHARE.get(device.type, 0.0))
     if cache is None:
         return seq_len if seq_len <= short else 0
-    if seq_len == 1 and cache.has_previous_state(mixer.layer_idx):
-        return 0  # upstream's recurrent decode step
     tail = seq_len % mixer.chunk_size
     return tail if tail <= short else 0
 

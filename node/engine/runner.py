@@ -208,7 +208,8 @@ class Runner:
 
     def engine_state(self) -> dict[str, Any]:
         """For `GET /v1/node`: whether decode steps are batched (and why not), and how they ran so far."""
-        return {"batched_decode": self.batching is None, "reason": self.batching or "every layer is attention",
+        return {"batched_decode": self.batching is None,
+                "reason": self.batching or "every layer is attention or recurrent",
                 "prefill_chunk": self.prefill_chunk, "decode_steps": self.decode_steps,
                 "batched_steps": self.batched_steps, "largest_batch": self.largest_batch,
                 "shared_rows": self._batched.shared_rows, "decode_attention": self.decode_attention,

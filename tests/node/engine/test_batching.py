@@ -1,7 +1,7 @@
 """Many requests at once through the real scheduler: each one's output equals its output when run alone.
 
-Four callers with prompts of different lengths and resume points run together; dense, sliding-window and
-MoE models run their decode steps as one batched forward (counted), hybrids one sequence per forward. One
+Four callers with prompts of different lengths and resume points run together; dense, sliding-window, MoE,
+recurrent and hybrid models run their decode steps as one batched forward (counted). One
 caller's sequences over one system prompt attend its rows once per step, and other callers' never. A long
 prompt does not hold back a short request that arrives while it prefills, and more requests than lanes all
 complete.
@@ -18,10 +18,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from cache.adapters import RecurrentPiece
 from cache.arena import Scope, new_prefix_cache
 from cache.budget import CacheBudget
 from cache.working_cache import GrowableKVLayer
-from node.engine.batch_forward import BatchedDecode, Shared, equal_rows
+from node.engine.batch_forward import BatchedDecode, Shared, batch_blocker, batchable, equal_rows
 from node.engine.cpu_kernels import load_kernels
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, GenerationResult, Runner
@@ -29,8 +30,10 @@ from node.engine.sampling import SamplingParams
 from node.engine.scheduler import Failed, Finished, Job, Scheduler
 from node.engine.synthetic import init_model
 
-BATCHED = ["llama", "mistral", "gemma2", "qwen2-moe"]
-ONE_BY_ONE = ["granite-moe-hybrid"]
+BATCHED = ["llama", "mistral", "gemma2", "qwen2-moe", "granite-moe-hybrid", "falcon-h1"]
+RECURRENT = ["mamba", "mamba2", "jamba", "bamba", "falcon-h1", "granite-moe-hybrid", "lfm2", "qwen3-next"]
+"""Every family with recurrent layers: conv and recurrent states (short conv, Mamba-1/2 scans, gated delta-net),
+alone or beside attention, and FalconH1's layers that hold both."""
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -68,7 +71,7 @@ async def run_together(runner: Runner, batch: list[GenerationRequest], max_runni
         scheduler.stop()
 
 
-@pytest.mark.parametrize("family", BATCHED + ONE_BY_ONE)
+@pytest.mark.parametrize("family", BATCHED)
 async def test_concurrent_callers_get_what_they_get_alone(family: str, tmp_path: Path) -> None:
     loaded = load_model(family, init_model(family, tmp_path / family, size="small"))
     batch = requests(loaded.model_id)
@@ -84,11 +87,7 @@ async def test_concurrent_callers_get_what_they_get_alone(family: str, tmp_path:
     assert results[0].cached_read_tokens > 0 and results[1].cached_read_tokens > 0
     assert results[2].cached_read_tokens == 0
     state = runner.engine_state()
-    if family in BATCHED:
-        assert state["batched_decode"] and state["batched_steps"] > 0 and state["largest_batch"] >= 2
-    else:
-        assert not state["batched_decode"] and state["batched_steps"] == 0
-        assert "LinearAttentionLayer" in state["reason"]
+    assert state["batched_decode"] and state["batched_steps"] > 0 and state["largest_batch"] >= 2
 
 
 async def test_more_requests_than_lanes_all_complete(small_model_dir: Path) -> None:
@@ -343,3 +342,34 @@ def test_a_step_over_shared_rows_gives_each_sequence_its_own_logits(small_model_
     scale = logits[0].abs().max()
     assert float((logits[0] - logits[1]).abs().max() / scale) < 1e-5
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+@pytest.mark.parametrize("family", RECURRENT)
+@torch.inference_mode()  # as the runner steps: recurrent states are updated in place
+def test_a_batched_step_of_recurrent_layers_continues_each_sequences_state(family: str, tmp_path: Path) -> None:
+    """Three sequences of different lengths decode three steps as one forward each, their recurrent states stacked
+    along the batch: each row's logits within float32 noise of the same sequence stepped alone, the same greedy
+    tokens, and each sequence's own states left where its alone twin's are."""
+    loaded = load_model(family, init_model(family, tmp_path / family, size="small"))
+    assert batch_blocker(loaded.model) is None
+    prompts = [tokens(i, 20 + 31 * i) for i in range(3)]
+    alone = [prefilled(loaded, prompt, lane) for lane, prompt in enumerate(prompts)]
+    together = [prefilled(loaded, prompt, 3 + lane) for lane, prompt in enumerate(prompts)]
+    assert all(batchable(cache) for cache in together)
+    steps = BatchedDecode(loaded.model)
+    for step in range(3):
+        ids, positions = [500 + step + i for i in range(3)], [len(prompt) + step for prompt in prompts]
+        got = steps.step(ids, positions, together, loaded.device)
+        for row in range(3):
+            want = loaded.forward([ids[row]], positions[row], alone[row]).logits()
+            assert float((got[row] - want).abs().max() / want.abs().max()) < 1e-5, (family, step, row)
+            assert int(got[row].argmax()) == int(want.argmax())
+    assert loaded.state is not None
+    for mine, twin in zip(together, alone, strict=True):
+        for got_piece, want_piece in zip(loaded.state.snapshot(mine), loaded.state.snapshot(twin), strict=True):
+            for a, b in zip(got_piece, want_piece, strict=True):
+                if isinstance(a, RecurrentPiece) and isinstance(b, RecurrentPiece):
+                    for x, y in zip(a.conv + a.recurrent, b.conv + b.recurrent, strict=True):
+                        assert (x is None) == (y is None)
+                        if x is not None and y is not None:
+                            assert torch.allclose(x, y, rtol=1e-4, atol=1e-5)

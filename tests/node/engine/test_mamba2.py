@@ -137,8 +137,8 @@ def test_short_chunks_after_a_prompt_equal_one_pass(pair: Pair, scans: list[int]
     got = prefill(pair.patched, ids, 0, pair.new_cache(), [A_LEN, 1, 3, 7, 20])
     assert relative_error(got, pair.reference(ids)) < TOLERANCE
     mixers = pair.mixers
-    # 70 = 64 upstream + 6; the one-token step is upstream's decode; 20 = 16 upstream + 4.
-    assert scans == [6] * mixers + [3] * mixers + [7] * mixers + [4] * mixers
+    # 70 = 64 upstream + 6; the one-token step is the recurrence's too; 20 = 16 upstream + 4.
+    assert scans == [6] * mixers + [1] * mixers + [3] * mixers + [7] * mixers + [4] * mixers
 
 
 def test_resume_from_a_snapshot_equals_one_pass(pair: Pair) -> None:
@@ -286,4 +286,4 @@ def test_other_mamba2_mixers_continue_exactly(build: Callable[[], Any], mixers: 
     ids = tokens(1, A_LEN + 7, vocab=1000)
     got = prefill(twins.patched, ids, 0, twins.new_cache(), [A_LEN, 1, 3, 3])
     assert relative_error(got, twins.reference(ids)) < TOLERANCE
-    assert scans == [6] * mixers + [3] * mixers + [3] * mixers
+    assert scans == [6] * mixers + [1] * mixers + [3] * mixers + [3] * mixers
