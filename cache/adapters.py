@@ -133,6 +133,19 @@ Snapshot = tuple[tuple[Piece | None, ...], ...]
 """What resuming at one position needs besides spans: per layer, per state component."""
 
 
+def copy_snapshot(snapshot: Snapshot) -> Snapshot:
+    """Clones of every tensor of `snapshot`: a state another owner keeps (and seals or zeroes), for a second one."""
+    def clone(piece: Piece | None) -> Piece | None:
+        if isinstance(piece, KVPiece):
+            return KVPiece(piece.keys.clone(), piece.values.clone())
+        if isinstance(piece, RecurrentPiece):
+            return RecurrentPiece(tuple(None if t is None else t.clone() for t in piece.conv),
+                                  tuple(None if t is None else t.clone() for t in piece.recurrent))
+        return piece
+
+    return tuple(tuple(clone(piece) for piece in pieces) for pieces in snapshot)
+
+
 def state_bytes(state: SpanState | Snapshot | None) -> int:
     if state is None:
         return 0

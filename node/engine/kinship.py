@@ -1,19 +1,22 @@
 """What one caller's running requests share, and never another caller's (see BATCHING.md, "One caller's
-sequences"): a request copies the prompt rows another running request of its scope holds (`best_donor`,
-`copy_rows`), and decoding sequences of one scope that hold the same first rows attend them once per batched
-step (`Kinship`). Every comparison here is between requests of one scope.
+sequences"): a request copies the prompt state another running request of its scope holds (`best_donor`,
+`copy_rows`, and `held_state` where the model resumes only where it holds a snapshot), and decoding sequences
+of one scope that hold the same first rows attend them once per batched step (`Kinship`). Every comparison
+here is between requests of one scope.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from transformers import DynamicCache
 
+from cache.adapters import ModelStateAdapter, Snapshot, copy_snapshot
 from cache.arena import Scope
 from cache.radix_tree import common_prefix_length
+from cache.state_spec import LayerStateSpec
 from cache.working_cache import GrowableKVLayer
 from node.engine.batch_forward import Shared, equal_rows
 
@@ -27,18 +30,13 @@ SHARED_ROWS_MIN = 256
 extra attention call and merge cost."""
 
 
-def full_attention(cache: DynamicCache) -> bool:
-    return all(type(layer) is GrowableKVLayer for layer in cache.layers)
-
-
 def best_donor(request: GenerationRequest, live: Iterable[Running]) -> tuple[Running, int] | None:
     """The running request of `request`'s scope whose prompt agrees with `request`'s the longest (at least
-    FOLLOW_MIN tokens, at most all but the last), with how far; only requests that keep their state and whose
-    layers are all full attention give rows."""
+    FOLLOW_MIN tokens, at most all but the last), with how far; only requests that keep their state give."""
     prompt, best = tuple(request.prompt), None
     reach = FOLLOW_MIN
     for other in live:
-        if other.request.scope != request.scope or not other.request.retain or not full_attention(other.cache):
+        if other.request.scope != request.scope or not other.request.retain:
             continue
         common = min(common_prefix_length(tuple(other.request.prompt), prompt), len(prompt) - 1)
         if common >= reach:
@@ -46,14 +44,43 @@ def best_donor(request: GenerationRequest, live: Iterable[Running]) -> tuple[Run
     return None if best is None else (best, reach - 1)
 
 
-def copy_rows(donor: Running, cache: DynamicCache, start: int, end: int) -> None:
+def copy_rows(donor: Running, cache: DynamicCache, start: int, end: int, specs: Sequence[LayerStateSpec]) -> None:
     """Append rows `[start, end)` of `donor`'s working cache (same scope, same tokens there) to `cache`, which
-    holds `start` rows."""
-    for mine, theirs in zip(cache.layers, donor.cache.layers, strict=True):
-        assert isinstance(mine, GrowableKVLayer) and isinstance(theirs, GrowableKVLayer)
-        theirs.materialize()
+    holds `start` rows, in every layer that keeps its tokens' keys and values (`specs`); other layers' state at a
+    position is a snapshot's (`held_state`)."""
+    mine: Any
+    theirs: Any
+    for spec, mine, theirs in zip(specs, cache.layers, donor.cache.layers, strict=True):
+        if not spec.keeps_spans:
+            continue
+        if isinstance(theirs, GrowableKVLayer):
+            theirs.materialize()
         assert mine.get_seq_length() == start and theirs.keys is not None and theirs.values is not None
         mine.update(theirs.keys[:, :, start:end], theirs.values[:, :, start:end])
+
+
+def held_state(donor: Running, after: int, common: int, adapter: ModelStateAdapter) -> tuple[int, Snapshot | None]:
+    """For a model that resumes only where it holds a snapshot: the deepest position in `(after, common]` where
+    `donor` holds the state of every layer that is not rows, and a copy of that state (None: no such position,
+    `after` is returned). The donor's live state while it prefills up to `common`, else the snapshot it took
+    there; copies, since the donor's own go to its store, sealed and zeroed."""
+    if donor.prefilling and after < donor.position <= common:
+        return donor.position, adapter.snapshot(donor.cache)
+    taken = [position for position in donor.snapshots if after < position <= min(common, donor.position)]
+    if not taken:
+        return after, None
+    return max(taken), copy_snapshot(donor.snapshots[max(taken)])
+
+
+def copied_snapshots(donor: Running, seq: Running, start: int, end: int, adapter: ModelStateAdapter
+                     ) -> dict[int, Snapshot]:
+    """`seq`'s own snapshots at the positions in `(start, end]` it wants them, once it holds `donor`'s state up to
+    `end`: copies of the donor's, and its own state at `end`; so that what it stores resumes there too."""
+    own = {position: copy_snapshot(donor.snapshots[position]) for position in seq.wanted
+           if start < position < end and position in donor.snapshots}
+    if end in seq.wanted:
+        own[end] = adapter.snapshot(seq.cache)
+    return own
 
 
 @dataclass(eq=False)

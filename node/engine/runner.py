@@ -28,7 +28,7 @@ from cache.working_cache import ROWS_GRAIN
 from node.engine.batch_forward import BatchedDecode, batch_blocker, batchable
 from node.engine.cpu_kernels import load_kernels
 from node.engine.detokenizer import Detokenizer
-from node.engine.kinship import FOLLOW_MIN, Kinship, best_donor, copy_rows
+from node.engine.kinship import FOLLOW_MIN, Kinship, best_donor, copied_snapshots, copy_rows, held_state
 from node.engine.loader import LoadedModel
 from node.engine.prediction import Logits, Prediction
 from node.engine.sampling import Sampler, SamplingParams
@@ -412,26 +412,35 @@ class Runner:
         return seq
 
     def _donor(self, request: GenerationRequest) -> tuple[Running, int] | None:
-        """`kinship.best_donor` of the running requests, where rows can be copied between requests (not with
-        reuse off, snapshots to take or retention none)."""
-        if self.prefix_cache is None or self._takes_snapshots or not request.retain:
+        """`kinship.best_donor` of the running requests, where state can be copied between requests (not with
+        reuse off or retention none)."""
+        if self.prefix_cache is None or not request.retain:
             return None
         return best_donor(request, self._live.values())
 
     @torch.inference_mode()
     def follow(self, seq: Running) -> bool:
-        """Copy into `seq` the rows its donor has computed of their common prompt; True while the donor is still
-        computing more of it (`seq` then waits rather than computes them), False when `seq` goes on alone."""
+        """Copy into `seq` the state its donor has computed of their common prompt (rows up to the donor's
+        position; for a model that resumes only at snapshots, up to where the donor holds one, or its live
+        state); True while the donor is still computing more of it (`seq` then waits rather than computes
+        them), False when `seq` goes on alone."""
         if seq.donor is None:
             return False
         donor, common = seq.donor
         if self._live.get(donor.lane) is not donor:  # it ended
             seq.donor = None
             return False
-        end = min(common, donor.position)
+        end, snapshot, state = min(common, donor.position), None, self.loaded.state
+        assert state is not None
+        if state.needs_snapshots:
+            end, snapshot = held_state(donor, seq.position, common, state)
         if end > seq.position:
-            seq.position = seq.restored = self._copy_rows(donor, seq.cache, seq.position, end, seq.lane)
+            start = seq.position
+            seq.position = seq.restored = self._copy_rows(donor, seq.cache, start, end, seq.lane)
             seq.stops = [stop for stop in seq.stops if stop > end]
+            if snapshot is not None:
+                state.restore_snapshot(seq.cache, snapshot, end)
+            seq.snapshots.update(copied_snapshots(donor, seq, start, end, state))
         if seq.position >= common or not donor.prefilling:
             seq.donor = None
             return False
@@ -439,7 +448,8 @@ class Runner:
 
     def _copy_rows(self, donor: Running, cache: DynamicCache, start: int, end: int, lane: int) -> int:
         """`kinship.copy_rows` into `lane`, whose written rows it counts; returns `end`."""
-        copy_rows(donor, cache, start, end)
+        assert self.loaded.state is not None
+        copy_rows(donor, cache, start, end, self.loaded.state.specs)
         self._dirty[lane] = max(self._dirty.get(lane, 0), end)
         return end
 

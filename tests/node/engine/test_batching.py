@@ -290,6 +290,31 @@ async def test_one_callers_requests_copy_the_prompt_rows_another_computes(small_
     assert [result.cached_read_tokens for result in results] == [0, 300, 300, 300]
 
 
+@pytest.mark.parametrize("family", ["granite-moe-hybrid", "falcon-h1", "mamba", "mistral"])
+async def test_one_callers_requests_copy_the_state_of_a_model_that_resumes_at_snapshots(family: str,
+                                                                                      tmp_path: Path) -> None:
+    """The same with hybrid, state-space and sliding-window models, which resume only where a snapshot holds
+    their recurrent states and window tails: the followers take the first request's live state each step it
+    computes of the system prompt (rows of its attention layers, a copy of the rest), up to the system message's
+    end, where it snapshots; each reply is its own, and the followers' stored state resumes there too."""
+    loaded = load_model(family, init_model(family, tmp_path / family, size="small"))
+    system = tokens(99, 300)  # then a user message long enough for every request to snapshot where it starts
+    batch = [GenerationRequest(Scope("agent", loaded.model_id), system + tokens(i, 40 + 7 * i),
+                               SamplingParams(max_tokens=8, temperature=0.0), boundaries=(300,)) for i in range(4)]
+    alone = Runner(loaded, None)
+    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+    runner = reuse_runner(loaded)
+    assert runner.loaded.state is not None and runner.loaded.state.needs_snapshots
+    results = await run_together(runner, batch)
+    assert [result.output_ids for result in results] == expected
+    assert [result.cached_read_tokens for result in results] == [0, 300, 300, 300]
+    again = GenerationRequest(batch[2].scope, batch[2].prompt[:300] + tokens(7, 9), batch[2].params,
+                              boundaries=(300,))
+    result = runner.generate(again, lambda _: None, lambda: False)
+    assert result.cached_read_tokens == 300
+    assert result.output_ids == alone.generate(again, lambda _: None, lambda: False).output_ids
+
+
 async def test_a_request_without_retention_neither_copies_nor_gives_rows(small_model_dir: Path) -> None:
     """Retention none: nothing of the request is kept, nor lent to another request, nor taken from one."""
     loaded = load_model("small", small_model_dir)
