@@ -329,9 +329,10 @@ def batch_blocker(model: Any) -> str | None:
 def equal_rows(first: DynamicCache, second: DynamicCache, limit: int) -> int:
     """How many of the first `limit` rows every full-attention layer of the two working caches holds bit for
     bit (0 where either has other layers); both are materialized."""
-    pairs: list[tuple[Any, Any]] = [(mine, theirs) for mine, theirs in zip(first.layers, second.layers, strict=True)
-             # sliding layers attend their own window tail, never shared rows
-             if not (isinstance(mine, DynamicSlidingWindowLayer) and isinstance(theirs, DynamicSlidingWindowLayer))]
+    # Sliding layers attend their own window tail, never shared rows.
+    pairs: list[tuple[Any, Any]] = [
+        (mine, theirs) for mine, theirs in zip(first.layers, second.layers, strict=True)
+        if not (isinstance(mine, DynamicSlidingWindowLayer) and isinstance(theirs, DynamicSlidingWindowLayer))]
     if not all(type(mine) is GrowableKVLayer and type(theirs) is GrowableKVLayer for mine, theirs in pairs):
         return 0  # another layer's state (recurrent) is not rows to share: nothing to compare
     equal = limit

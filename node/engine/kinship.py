@@ -66,10 +66,11 @@ def held_state(donor: Running, after: int, common: int, adapter: ModelStateAdapt
     there; copies, since the donor's own go to its store, sealed and zeroed."""
     if donor.prefilling and after < donor.position <= common:
         return donor.position, adapter.snapshot(donor.cache)
-    taken = [position for position in donor.snapshots if after < position <= min(common, donor.position)]
-    if not taken:
+    deepest = max((position for position in donor.snapshots if after < position <= min(common, donor.position)),
+                  default=None)
+    if deepest is None:
         return after, None
-    return max(taken), copy_snapshot(donor.snapshots[max(taken)])
+    return deepest, copy_snapshot(donor.snapshots[deepest])
 
 
 def copied_snapshots(donor: Running, seq: Running, start: int, end: int, adapter: ModelStateAdapter
