@@ -17,7 +17,9 @@ from node.cli import build_parser
 
 TENZRO = str(Path(sys.executable).parent / "tenzro")
 SAMPLES = 12
-LENGTH = 256
+LENGTH = 1024
+"""Prompt tokens: enough that the small model's miss takes several times a hit. At 256 the native prefill made a
+miss so cheap that 12 samples on a loaded machine could not always tell the two apart."""
 
 
 def test_ks_fully_separated_small_samples() -> None:
