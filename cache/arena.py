@@ -34,8 +34,10 @@ BLOCK_TOKENS = 4096
 """Tokens of one head in one sealed message: 1 MiB at head dim 64 in float32. Measured on a 4k-token sealed hit
 of the default model: 1024-token messages (512 of them) cost 6 ms of Python before the first byte is opened,
 4096-token ones 2 ms, at the same opening rate."""
-SEAL_BATCH = 8
-"""Messages sealed between two looks for a waiting request: 8 MiB, about a millisecond."""
+SEAL_BATCH_BYTES = 8 * 1024 * 1024
+"""Plaintext sealed between two looks for a waiting request (whole messages, at least one): a few milliseconds
+on all cores. Counted in bytes, not messages: a span of a few hundred tokens has a hundred messages of tens of
+KiB, and eight of them a call spent more time handing work to the sealing threads than sealing."""
 DEFER_BYTES = 32 * 1024 * 1024
 """Plaintext over the hot tier that may wait for the next pass while requests queue (1k tokens of the default
 model); beyond it a waiting request waits for the seal."""
@@ -104,6 +106,18 @@ def _blocks(tensor: torch.Tensor) -> Iterator[tuple[int, int, int]]:
             yield index, 0, 0
     else:
         yield -1, 0, 0
+
+
+def _batches(sizes: list[int], limit: int) -> Iterator[tuple[int, int]]:
+    """Consecutive `[first, last)` runs of messages of at most `limit` bytes in all, or one message."""
+    first, total = 0, 0
+    for index, size in enumerate(sizes):
+        if index > first and total + size > limit:
+            yield first, index
+            first, total = index, 0
+        total += size
+    if first < len(sizes):
+        yield first, len(sizes)
 
 
 def _part(tensor: torch.Tensor, block: tuple[int, int, int]) -> torch.Tensor:
@@ -443,7 +457,7 @@ class StateArena:
     def seal_cold(self, stop: Callable[[], bool] = lambda: False) -> ColdPass:
         """Seal plaintext, least recently used first, until the hot tier holds at most `plaintext_bytes`.
         Entries not worth sealing (`SealCost`) are left as they are and named in the result, for the index to
-        drop. Every `SEAL_BATCH` messages, a waiting request (`stop()`) goes first, once at most `DEFER_BYTES`
+        drop. Every `SEAL_BATCH_BYTES`, a waiting request (`stop()`) goes first, once at most `DEFER_BYTES`
         are left over the hot tier (an entry it interrupts stays plaintext, sealed by the next pass): the
         plaintext beyond the hot tier stays bounded under any load."""
         if self.sealer is None or self.hot_bytes <= self.plaintext_bytes:
@@ -494,11 +508,11 @@ class StateArena:
         nonces: list[bytes] = []
         place = Place(handle, entry.start, entry.end, kind)
         offset = 0
-        for first in range(0, len(messages), SEAL_BATCH):
+        for first, last in _batches([m.nbytes for m in messages], SEAL_BATCH_BYTES):
             if first and stop():
                 torch.frombuffer(blob, dtype=torch.uint8).zero_()
                 return False  # the nonces it took are never used again
-            batch = messages[first:first + SEAL_BATCH]
+            batch = messages[first:last]
             end = offset + sum(m.nbytes + TAG_BYTES for m in batch)
             nonces += self.sealer.seal(entry.scope, place, batch, memoryview(blob)[offset:end], first=first)
             offset = end

@@ -196,7 +196,7 @@ def test_time_to_live_expires_unused_scopes() -> None:
 
 def test_a_waiting_request_interrupts_a_seal_which_leaves_the_plaintext_intact(monkeypatch: pytest.MonkeyPatch
                                                                                ) -> None:
-    monkeypatch.setattr(arena_module, "SEAL_BATCH", 1)
+    monkeypatch.setattr(arena_module, "SEAL_BATCH_BYTES", 1)
     cache = sealed_cache()
     arena = arena_of(cache)
     cache.store(ALICE, list(range(10)), state_of(list(range(10))))
@@ -226,4 +226,26 @@ def test_state_that_opens_slower_than_it_computes_is_dropped_not_sealed(recomput
     assert all(not t.any() for t in held)  # dropped plaintext is zeroed like everything freed
     lease = cache.acquire(ALICE, list(range(10)), limit=9, anywhere=True)
     assert lease.length == 0
+    cache.release(lease)
+
+
+def test_an_entry_of_many_small_messages_seals_in_calls_of_about_seal_batch_bytes(monkeypatch: pytest.MonkeyPatch
+                                                                                   ) -> None:
+    cache = sealed_cache()
+    arena = arena_of(cache)
+    assert arena.sealer is not None
+    calls: list[int] = []
+    seal = arena.sealer.seal
+    monkeypatch.setattr(arena.sealer, "seal", lambda *args, **kw: calls.append(len(args[2])) or seal(*args, **kw))
+    cache.store(ALICE, list(range(10)), state_of(list(range(10))))  # 8 messages of 2.5 tokens' bytes each
+    assert cache.seal_cold().sealed_bytes == 10 * BYTES_PER_TOKEN
+    assert calls == [8]
+    message = 10 * BYTES_PER_TOKEN // 8
+    monkeypatch.setattr(arena_module, "SEAL_BATCH_BYTES", 3 * message)
+    cache.store(BOB, list(range(10)), state_of(list(range(10))))
+    calls.clear()
+    assert cache.seal_cold().sealed_bytes == 10 * BYTES_PER_TOKEN
+    assert calls == [3, 3, 2]
+    lease = cache.acquire(BOB, list(range(10)), limit=9, anywhere=True)
+    assert restored_keys(cache, lease) == list(range(9))
     cache.release(lease)
