@@ -1,16 +1,18 @@
 """A/B the decode step of B sequences: the native kernels one sequence after another against transformers' batched
 forward (`node/engine/batch_forward.py`), with the linear layers' oneDNN-packed weights (`cpu_layout.py`) and
 without them, with the sequences' shared first rows attended once (`Shared`), and that with each row's own rows
-by the native decode attention (`tz_decode_attention`) instead of SDPA, on the default model, one thread, in
-one process.
+by the native decode attention (`tz_decode_attention`) instead of SDPA, and that with the greedy tokens of all
+rows from one pass of the head's int8 screen (`CpuDecoder.score_rows`) instead of the head's logits and their
+argmax, on the default model, one thread, in one process.
 
     .venv/bin/python scripts/batch_ab.py [--context 1024] [--shared 0] [--batches 1,2,3,4,8,16,32] [--runs 7]
 
 Each of B sequences is prefilled to `--context` tokens (lengths differ by a few tokens, as real traffic's do)
 in its own lane, the first `--shared` of them the same for all (one caller's system prompt, computed alike);
-then the five ways alternate, each running one decode step of all B sequences into its own set of caches, and
+then the six ways alternate, each running one decode step of all B sequences into its own set of caches, and
 the script prints the median milliseconds per step, tokens per second, and the largest logit difference of
-the packed batched step and of the shared one against the native step, relative to the largest logit.
+the packed batched step and of the shared one against the native step, relative to the largest logit, and
+whether the screened tokens are the argmax of the native attention's logits.
 `Runner.decode` takes the native path at batch 1 only; this measures where that choice stands.
 """
 
@@ -48,15 +50,16 @@ def main() -> None:
     linears = [m for m in loaded.model.modules() if isinstance(m, TransposedLinear)]
     packed = [m.packed for m in linears]
     print(f"{'batch':>5} {'native ms':>10} {'batched ms':>11} {'unpacked ms':>12} {'shared ms':>10} "
-          f"{'+native attn ms':>16} {'native tok/s':>13} {'batched tok/s':>14} {'shared tok/s':>13} "
-          f"{'+native tok/s':>14} {'rel diff':>9} {'shared diff':>12}")
+          f"{'+native attn ms':>16} {'+screen ms':>11} {'native tok/s':>13} {'batched tok/s':>14} "
+          f"{'shared tok/s':>13} {'+native tok/s':>14} {'+screen tok/s':>14} {'rel diff':>9} {'shared diff':>12} "
+          f"{'screened = argmax':>18}")
     for batch in (int(b) for b in args.batches.split(",")):
         generator = torch.Generator().manual_seed(batch)
         system = torch.randint(100, vocab, (args.shared,), generator=generator).tolist()
         prompts = [system + torch.randint(100, vocab, (args.context - args.shared + 3 * row,),
                                           generator=generator).tolist() for row in range(batch)]
         sets = []
-        for base in (0, batch, 2 * batch, 3 * batch, 4 * batch):
+        for base in (0, batch, 2 * batch, 3 * batch, 4 * batch, 5 * batch):
             caches = []
             for row, prompt in enumerate(prompts):
                 cache, _ = loaded.state.new_cache(len(prompt) + 2 * args.runs + 2, lane=base + row)
@@ -70,8 +73,9 @@ def main() -> None:
         shared = [Shared(tuple(range(batch)), length)] if length else []
         tokens = [prompt[-1] for prompt in prompts]
         positions = [len(prompt) - 1 for prompt in prompts]
-        times: list[list[float]] = [[], [], [], [], []]
+        times: list[list[float]] = [[], [], [], [], [], []]
         worst = worst_shared = 0.0
+        agree = True
         for step in range(args.runs):
             at = [position + step for position in positions]
             started = time.perf_counter()
@@ -94,16 +98,21 @@ def main() -> None:
             started = time.perf_counter()
             fastest = native_attention.step(tokens, at, sets[4], loaded.device, shared)
             times[4].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            picked = [p.greedy() for p in loaded.step(native_attention, tokens, at, sets[5], shared, [True] * batch)]
+            times[5].append(time.perf_counter() - started)
+            agree &= picked == fastest.argmax(-1).tolist()
             for row, logits in enumerate(one):
                 scale = max(1.0, float(logits.abs().max()))
                 worst = max(worst, float((many[row] - logits).abs().max()) / scale)
                 worst_shared = max(worst_shared, float((together[row] - logits).abs().max()) / scale,
                                    float((fastest[row] - logits).abs().max()) / scale)
-        native, many_s, unpacked, shared_s, fastest_s = (statistics.median(t) for t in times)
+        native, many_s, unpacked, shared_s, fastest_s, screened_s = (statistics.median(t) for t in times)
         print(f"{batch:>5} {native * 1e3:>10.1f} {many_s * 1e3:>11.1f} {unpacked * 1e3:>12.1f} {shared_s * 1e3:>10.1f} "
-              f"{fastest_s * 1e3:>16.1f} {batch / native:>13.1f} {batch / many_s:>14.1f} {batch / shared_s:>13.1f} "
-              f"{batch / fastest_s:>14.1f} {worst:>9.1e} {worst_shared:>12.1e}")
-        for lane in range(5 * batch):
+              f"{fastest_s * 1e3:>16.1f} {screened_s * 1e3:>11.1f} {batch / native:>13.1f} {batch / many_s:>14.1f} "
+              f"{batch / shared_s:>13.1f} {batch / fastest_s:>14.1f} {batch / screened_s:>14.1f} {worst:>9.1e} "
+              f"{worst_shared:>12.1e} {str(agree):>18}")
+        for lane in range(6 * batch):
             loaded.state.wipe_pool(0, args.context + 3 * batch + 2 * args.runs + 2, lane)
 
 

@@ -289,25 +289,33 @@ class BatchedDecode:
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], positions: Sequence[int], caches: Sequence[DynamicCache],
-             device: torch.device, shared: Sequence[Shared] = (), logits: bool = True) -> torch.Tensor:
+             device: torch.device, shared: Sequence[Shared] = (), logits: bool = True, hidden: bool = False
+             ) -> torch.Tensor:
         """Run one token per sequence (`tokens[b]` at `positions[b]` into `caches[b]`), attending each group
         of `shared` rows once for its members; returns the logits `[B, vocab]` in float32 (`[B, 0]` without
-        `logits`: the head is not run, only the caches are written)."""
+        `logits`: the head is not run, only the caches are written). With `hidden`, the final normed hidden
+        states `[B, hidden]` instead, for the caller to score: the model's body runs, its head does not."""
         rows = _STEP.rows = RowsCache(caches, self._inner, self._sdpa, shared, self._kernels, self._scratch)
         for config in self._configs:
             # transformers builds no mask for an implementation it has no mask function for.
             config._attn_implementation_internal = ROWS
         try:
-            out = self._model(input_ids=torch.tensor(tokens, device=device).unsqueeze(1),
-                              position_ids=torch.tensor(positions, device=device).unsqueeze(1),
-                              cache=_STEP.rows, use_cache=True,
-                              logits_to_keep=1 if logits else torch.zeros(0, dtype=torch.long, device=device))
+            inputs = {"input_ids": torch.tensor(tokens, device=device).unsqueeze(1),
+                      "position_ids": torch.tensor(positions, device=device).unsqueeze(1),
+                      "cache": _STEP.rows, "use_cache": True}
+            if hidden:
+                states = self._model.model(**inputs).last_hidden_state[:, -1]
+            else:
+                out = self._model(**inputs,
+                                  logits_to_keep=1 if logits else torch.zeros(0, dtype=torch.long, device=device))
             rows.scatter()
         finally:
             _STEP.rows = None
             self.shared_rows += rows.shared_rows
             for config, name in zip(self._configs, self._implementations, strict=True):
                 config._attn_implementation_internal = name
+        if hidden:
+            return states
         return out.logits[:, -1].float() if logits else out.logits.new_zeros(len(tokens), 0)
 
 

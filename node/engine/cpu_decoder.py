@@ -21,6 +21,8 @@ bytes and picks exactly the token the full float32 logits would (see `tz_head_ar
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,6 +41,13 @@ AGREEMENT = 1e-4
 another order differ by about 1e-6."""
 
 
+SCREENED_ROWS = 16
+"""Most greedy rows of a batched decode step whose tokens one pass of the head's int8 screen finds
+(`CpuDecoder.score_rows`). The screen reads a quarter of the head's bytes but does as much arithmetic per row
+as the float32 head; from a few tens of rows the arithmetic costs what the bytes save, and the head runs as one
+GEMM (node/engine/BATCHING.md, "The head of a batched step")."""
+
+
 class HeadPrediction(Prediction):
     """The final normed hidden state of the last position, with the packed head to score it on demand."""
 
@@ -55,10 +64,23 @@ class HeadPrediction(Prediction):
 
     def greedy(self) -> int:
         if self._logits is None:
-            index = self._kernels.head_argmax(self._hidden, self._head)
+            [index] = self._kernels.head_argmax(self._hidden.unsqueeze(0), self._head)
             if index is not None:
                 return index
         return int(torch.argmax(self.logits()))
+
+
+class PickedPrediction(Prediction):
+    """A greedy token a screen of the head found; the logits, if asked for, from `logits`."""
+
+    def __init__(self, index: int, logits: Callable[[], torch.Tensor]) -> None:
+        self._index, self._logits = index, logits
+
+    def logits(self) -> torch.Tensor:
+        return self._logits()
+
+    def greedy(self) -> int:
+        return self._index
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -184,6 +206,28 @@ class CpuDecoder:
         assert hidden is not None
         return HeadPrediction(self._kernels, self._head, hidden)
 
+    def screens(self, greedy: Sequence[bool]) -> bool:
+        """Whether `score_rows` screens a batched step whose rows are greedy where `greedy` says so."""
+        return 0 < sum(greedy) <= SCREENED_ROWS
+
+    @torch.inference_mode()
+    def score_rows(self, hidden: torch.Tensor, greedy: Sequence[bool]) -> list[Prediction]:
+        """Predictions of a batched decode step's rows from their final normed hidden states `[B, hidden]`: the
+        greedy rows' tokens from one pass of the head's int8 screen over all of them (each exactly the argmax of
+        its float32 logits, as for one row); the other rows' logits, and those of a greedy row the screen cannot
+        decide, from one run of the model's own head over those rows, when first asked for."""
+        rows = [row for row, wanted in enumerate(greedy) if wanted]
+        picked = dict(zip(rows, self._kernels.head_argmax(hidden[rows].contiguous(), self._head), strict=True))
+        logits: list[torch.Tensor] = []
+
+        def row_logits(row: int) -> torch.Tensor:
+            if not logits:
+                logits.append(self._model.lm_head(hidden).float())
+            return logits[0][row]
+
+        return [PickedPrediction(index, partial(row_logits, row)) if (index := picked.get(row)) is not None
+                else _Lazy(partial(row_logits, row)) for row in range(hidden.shape[0])]
+
     def extend(self, ids: list[int], start: int, cache: DynamicCache) -> None:
         """Write the K/V of `ids` into `cache` and nothing else: the last layer's attention, MLP and the
         output head feed only logits, so they are skipped (the head alone reads 65 MB on the default model)."""
@@ -211,6 +255,14 @@ class CpuDecoder:
         last = torch.empty(self.hidden)
         self._kernels.decoder_forward(self._native, ids, start, cos, sin, self._work, want_logits, last)
         return last if want_logits else None
+
+
+class _Lazy(Prediction):
+    def __init__(self, logits: Callable[[], torch.Tensor]) -> None:
+        self._logits = logits
+
+    def logits(self) -> torch.Tensor:
+        return self._logits()
 
 
 DECODERS: dict[type, type[CpuDecoder]] = {LlamaForCausalLM: CpuDecoder}

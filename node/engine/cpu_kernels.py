@@ -36,7 +36,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "tz_decode_attention": ([_i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _i64, _ptr, _ptr],
                             ctypes.c_int),
     "tz_pack_screen": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr], None),
-    "tz_head_argmax": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64], _i64),
+    "tz_head_argmax": ([_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr], None),
     "tz_decoder_forward": ([_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _ptr], ctypes.c_int),
     "tz_rmsnorm": ([_ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64], None),
     "tz_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
@@ -226,20 +226,21 @@ class CpuKernels:
             bias_slack = 2 * gamma * packed.bias.double().abs()
         return PackedHead(packed, codes, scale, slack, bias_slack)
 
-    def head_argmax(self, x: torch.Tensor, head: PackedHead) -> int | None:
-        """The index `torch.argmax` gives on the logits `gemm(x, head.weight)` computes for one row x `[in]`
-        (contiguous), found from the int8 screen of every row and the float32 weights of the few rows it cannot
-        rule out; None where the screen cannot decide (a non-finite value, or more than MAX_CANDIDATES rows
-        left), and then the caller computes the full logits."""
-        assert x.is_contiguous() and _contiguous_rows(x) and x.numel() == head.in_features
-        screen = torch.empty(head.out_features)
+    def head_argmax(self, x: torch.Tensor, head: PackedHead) -> list[int | None]:
+        """For each row of x `[M, in]` (rows contiguous), the index `torch.argmax` gives on the logits
+        `gemm(x, head.weight)` computes for it, found from the int8 screen of every head row (read once for all
+        M) and the float32 weights of the few rows it cannot rule out; None for a row where the screen cannot
+        decide (a non-finite value, or more than MAX_CANDIDATES rows left), whose caller computes its logits."""
+        assert x.dim() == 2 and _contiguous_rows(x) and x.shape[1] == head.in_features
+        screen = torch.empty(x.shape[0], head.out_features)
+        found = torch.empty(x.shape[0], dtype=torch.int64)
         bias = head.weight.bias
-        index = self._lib.tz_head_argmax(x.data_ptr(), head.in_features, head.weight.data.data_ptr(),
-                                         head.codes.data_ptr(), head.out_features, head.scale.data_ptr(),
-                                         None if bias is None else bias.data_ptr(), head.slack.data_ptr(),
-                                         None if head.bias_slack is None else head.bias_slack.data_ptr(),
-                                         screen.data_ptr(), MAX_CANDIDATES)
-        return None if index < 0 else int(index)
+        self._lib.tz_head_argmax(x.data_ptr(), x.shape[0], x.stride(0), head.in_features, head.weight.data.data_ptr(),
+                                 head.codes.data_ptr(), head.out_features, head.scale.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), head.slack.data_ptr(),
+                                 None if head.bias_slack is None else head.bias_slack.data_ptr(),
+                                 screen.data_ptr(), MAX_CANDIDATES, found.data_ptr())
+        return [None if index < 0 else index for index in found.tolist()]
 
     def gemm(self, x: torch.Tensor, weight: PackedWeight, out: torch.Tensor, accumulate: bool = False,
              then: PackedWeight | PackedHead | None = None) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -24,6 +25,9 @@ from node.engine.prediction import Logits, Prediction
 from node.engine.reuse_check import check_reuse
 from node.engine.synthetic import ARCHITECTURES, ensure_default_model
 from node.log_privacy import Safe
+
+if TYPE_CHECKING:
+    from node.engine.batch_forward import BatchedDecode, Shared
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,17 @@ class LoadedModel:
             out = self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True,
                              logits_to_keep=1)
         return Logits(out.logits[0, -1].float())
+
+    def step(self, batched: BatchedDecode, tokens: Sequence[int], positions: Sequence[int],
+             caches: Sequence[DynamicCache], shared: Sequence[Shared], greedy: Sequence[bool]) -> list[Prediction]:
+        """One batched decode step (`BatchedDecode.step`) and each row's prediction. Where the CPU decoder
+        screens the head for so many greedy rows (`greedy[b]`: row b's token is the argmax), it scores them."""
+        screened = self.decoder is not None and self.decoder.screens(greedy)
+        out = batched.step(tokens, positions, caches, self.device, shared, hidden=screened)
+        if screened:
+            assert self.decoder is not None
+            return self.decoder.score_rows(out, greedy)
+        return [Logits(row) for row in out]
 
     def extend(self, ids: list[int], start: int, cache: DynamicCache) -> None:
         """Run `ids` into `cache` when no logits are wanted (the reply's last token, fed for its state)."""

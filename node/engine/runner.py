@@ -30,7 +30,7 @@ from node.engine.cpu_kernels import load_kernels
 from node.engine.detokenizer import Detokenizer
 from node.engine.kinship import FOLLOW_MIN, Kinship, best_donor, copied_snapshots, copy_rows, held_state
 from node.engine.loader import LoadedModel
-from node.engine.prediction import Logits, Prediction
+from node.engine.prediction import Prediction
 from node.engine.sampling import Sampler, SamplingParams
 from node.engine.seal_cost import measure_seal_cost
 
@@ -474,10 +474,10 @@ class Runner:
             self.largest_batch = max(self.largest_batch, len(seqs))
             tokens = [seq.output[-1] for seq in seqs]
             positions = [len(seq.request.prompt) + len(seq.output) - 1 for seq in seqs]
-            logits = self._batched.step(tokens, positions, [seq.cache for seq in seqs], self.loaded.device,
-                                        self._kinship.groups(seqs, self._live))
-            for row, seq in enumerate(seqs):
-                seq.prediction = Logits(logits[row])
+            groups, greedy = self._kinship.groups(seqs, self._live), [seq.sampler.params.argmax_only for seq in seqs]
+            predictions = self.loaded.step(self._batched, tokens, positions, [s.cache for s in seqs], groups, greedy)
+            for seq, prediction in zip(seqs, predictions, strict=True):
+                seq.prediction = prediction
         else:
             for seq in seqs:
                 seq.prediction = self.loaded.forward([seq.output[-1]], len(seq.request.prompt) + len(seq.output) - 1,

@@ -30,6 +30,11 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the next token is the argmax of the model's own logits (`Prediction.greedy`)."""
+        return self.greedy and not self.adjusts_logits
+
 
 class Sampler:
     """One per request: a seeded request draws the same tokens every time, whatever else runs."""
@@ -56,7 +61,7 @@ class Sampler:
     def next_token(self, prediction: Prediction, generated: list[int] | None = None) -> int:
         """The token after the last position of `prediction`'s forward; `generated`: this reply's tokens so far
         (what the penalties count)."""
-        if self.params.greedy and not self.params.adjusts_logits:
+        if self.params.argmax_only:
             return prediction.greedy()
         logits = self._logits(prediction, generated or [])
         if self.params.greedy:

@@ -223,35 +223,42 @@ const score_fn SCORE_ONE[5] = {nullptr, score_tile<1, 1>, score_tile<1, 2>, scor
 constexpr int64_t BLOCK = 48;  // keys per step of the online softmax: a multiple of every SCORE_ROWS
 constexpr int64_t AHEAD = 2;  // blocks between the one computed and the one prefetched
 
-// s[0, width) = scale * sum_k codes[k, column] * x[k] (+ bias) for one panel of an output head's screen:
-// int8 codes [K, 32] of each row's weights over a per-row scale. One line of `pf` (null: none) is prefetched
-// every other step of k, which is the rate the codes are read at.
-void screen_panel(const float* x, int64_t K, const int8_t* codes, const float* scale, const float* bias, int64_t width,
-                  float* out, const int8_t* pf) {
+// s[r, 0..width) = scale * sum_k codes[k, column] * x[r, k] (+ bias) for R rows of x (x_st floats apart) and
+// one panel of an output head's screen: int8 codes [K, 32] of each row's weights over a per-row scale. Each
+// code is widened once for all R rows. One line of `pf` (null: none) is prefetched every other step of k, which
+// is the rate one row reads the codes at.
+template <int R>
+void screen_rows(const float* x, int64_t x_st, int64_t K, const int8_t* codes, const float* scale, const float* bias,
+                 int64_t width, float* out, int64_t out_st, const int8_t* pf) {
   const __mmask16 m0 = lanes(width), m1 = width > 16 ? lanes(width - 16) : 0;
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 2) {
-    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + k * NR), _MM_HINT_T1);
-    const __m256i even = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + k * NR));
-    const __m512 xe = _mm512_set1_ps(x[k]);
-    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(even))), xe, a0);
-    a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(even, 1))), xe, a1);
-    if (k + 1 < K) {  // two chains halve the FMA latency
-      const __m256i odd = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + (k + 1) * NR));
-      const __m512 xo = _mm512_set1_ps(x[k + 1]);
-      b0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(odd))), xo, b0);
-      b1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(odd, 1))), xo, b1);
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    if (pf && k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(pf + k * NR), _MM_HINT_T1);
+    const __m256i c = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + k * NR));
+    const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c)));
+    const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1)));
+    for (int r = 0; r < R; r++) {
+      const __m512 xr = _mm512_set1_ps(x[r * x_st + k]);
+      a0[r] = _mm512_fmadd_ps(c0, xr, a0[r]);
+      a1[r] = _mm512_fmadd_ps(c1, xr, a1[r]);
     }
   }
-  __m512 s0 = _mm512_mul_ps(_mm512_add_ps(a0, b0), _mm512_maskz_loadu_ps(m0, scale));
-  __m512 s1 = _mm512_mul_ps(_mm512_add_ps(a1, b1), _mm512_maskz_loadu_ps(m1, scale + 16));
-  if (bias) {
-    s0 = _mm512_add_ps(s0, _mm512_maskz_loadu_ps(m0, bias));
-    s1 = _mm512_add_ps(s1, _mm512_maskz_loadu_ps(m1, bias + 16));
+  const __m512 k0 = _mm512_maskz_loadu_ps(m0, scale), k1 = _mm512_maskz_loadu_ps(m1, scale + 16);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < R; r++) {
+    _mm512_mask_storeu_ps(out + r * out_st, m0, _mm512_add_ps(_mm512_mul_ps(a0[r], k0), b0));
+    _mm512_mask_storeu_ps(out + r * out_st + 16, m1, _mm512_add_ps(_mm512_mul_ps(a1[r], k1), b1));
   }
-  _mm512_mask_storeu_ps(out, m0, s0);
-  _mm512_mask_storeu_ps(out + 16, m1, s1);
 }
+
+constexpr int SCREEN_ROWS = 8;  // rows of x per pass over a panel: 16 accumulators
+using screen_fn = void (*)(const float*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t, float*,
+                           int64_t, const int8_t*);
+const screen_fn SCREENS[SCREEN_ROWS + 1] = {nullptr,         screen_rows<1>, screen_rows<2>, screen_rows<3>,
+                                            screen_rows<4>,  screen_rows<5>, screen_rows<6>, screen_rows<7>,
+                                            screen_rows<8>};
 
 constexpr int below(int rows, int limit) { return rows < limit ? rows : 1; }
 
@@ -472,24 +479,17 @@ void tz_pack_screen(const float* W, int64_t K, int64_t N, int64_t stride_n, int6
 }
 
 // The index of the largest logit tz_gemm gives for one row x [K] and a packed head (N rows, bias may be null),
-// the first one on a tie, reading the int8 screen of every row and the float32 panels of the few rows it cannot
-// rule out: a screened logit s_n lies within b_n = slack[n] |x| + bias_slack[n] of the float32 one, so only
-// rows with s_n + b_n at least max_m (s_m - b_m) can hold the maximum. Their panels are recomputed by the same
-// tile code as tz_gemm, so the answer is that of the full logits exactly. `screen` is scratch for N floats;
-// bias_slack (2 gamma |bias|) may be null. Returns -1 when x or a logit is not finite, -2 when more than
-// max_candidates rows remain; the caller then takes the full logits.
-int64_t tz_head_argmax(const float* x, int64_t K, const float* packed, const int8_t* codes, int64_t N,
-                       const float* scale, const float* bias, const double* slack, const double* bias_slack,
-                       float* screen, int64_t max_candidates) {
+// the first one on a tie, from `screen` (that row's screened logits) and the float32 panels of the few rows it
+// cannot rule out: a screened logit s_n lies within b_n = slack[n] |x| + bias_slack[n] of the float32 one, so
+// only rows with s_n + b_n at least max_m (s_m - b_m) can hold the maximum. Their panels are recomputed by the
+// same tile code as tz_gemm, so the answer is that of the full logits exactly. bias_slack (2 gamma |bias|) may
+// be null. Returns -1 when x or a logit is not finite, -2 when more than max_candidates rows remain.
+static int64_t pick(const float* x, int64_t K, const float* packed, int64_t N, const float* bias, const double* slack,
+                    const double* bias_slack, const float* screen, int64_t max_candidates) {
   double squares = 0;
   for (int64_t k = 0; k < K; k++) squares += static_cast<double>(x[k]) * x[k];
   const double norm = sqrt(squares) * (1 + 1e-9);
   if (!(norm < __builtin_inf())) return -1;
-  const int64_t panels = (N + NR - 1) / NR;
-  for (int64_t p = 0; p < panels; p++)
-    screen_panel(x, K, codes + p * K * NR, scale + p * NR, bias ? bias + p * NR : nullptr,
-                 N - p * NR < NR ? N - p * NR : NR, screen + p * NR,
-                 p + SCREEN_AHEAD < panels ? codes + (p + SCREEN_AHEAD) * K * NR : nullptr);
   // bounds[n] = b_n in double; 1e-9 of margin covers the double arithmetic here, 1e-30 the float32 underflow of
   // tiny products. Eight rows a step: this runs over the whole vocabulary on every greedy token.
   double* bounds = reinterpret_cast<double*>(scratch(2 * N + 16));
@@ -540,6 +540,22 @@ int64_t tz_head_argmax(const float* x, int64_t K, const float* packed, const int
     if (best < 0 || logit > best_logit) best = n, best_logit = logit;
   }
   return best;
+}
+
+// tz_head_argmax for M rows of x (x_st floats apart), each its own index in out[M]: the int8 screen of every
+// head row is read once for all of them, SCREEN_ROWS rows of x at a time. `screen` is scratch for M * N floats.
+void tz_head_argmax(const float* x, int64_t M, int64_t x_st, int64_t K, const float* packed, const int8_t* codes,
+                    int64_t N, const float* scale, const float* bias, const double* slack, const double* bias_slack,
+                    float* screen, int64_t max_candidates, int64_t* out) {
+  const int64_t panels = (N + NR - 1) / NR;
+  for (int64_t p = 0; p < panels; p++)
+    for (int64_t r = 0; r < M; r += SCREEN_ROWS)
+      SCREENS[M - r < SCREEN_ROWS ? M - r : SCREEN_ROWS](
+          x + r * x_st, x_st, K, codes + p * K * NR, scale + p * NR, bias ? bias + p * NR : nullptr,
+          N - p * NR < NR ? N - p * NR : NR, screen + r * N + p * NR, N,
+          r == 0 && p + SCREEN_AHEAD < panels ? codes + (p + SCREEN_AHEAD) * K * NR : nullptr);
+  for (int64_t r = 0; r < M; r++)
+    out[r] = pick(x + r * x_st, K, packed, N, bias, slack, bias_slack, screen + r * N, max_candidates);
 }
 
 // Causal attention of T queries at positions start..start+T-1 over keys 0..L-1 (L = start + T), for H

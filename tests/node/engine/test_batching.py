@@ -23,6 +23,7 @@ from cache.arena import Scope, new_prefix_cache
 from cache.budget import CacheBudget
 from cache.working_cache import GrowableKVLayer
 from node.engine.batch_forward import BatchedDecode, Shared, batch_blocker, batchable, equal_rows
+from node.engine.cpu_decoder import SCREENED_ROWS, PickedPrediction
 from node.engine.cpu_kernels import load_kernels, native_switched_off
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, GenerationResult, Runner
@@ -367,6 +368,29 @@ def test_a_step_over_shared_rows_gives_each_sequence_its_own_logits(small_model_
     scale = logits[0].abs().max()
     assert float((logits[0] - logits[1]).abs().max() / scale) < 1e-5
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+@pytest.mark.parametrize("rows", [3, 17])
+def test_a_steps_greedy_rows_take_their_tokens_from_one_screen_of_the_head(small_model_dir: Path, rows: int) -> None:
+    """With the CPU decoder, the greedy rows of a batched step (at most SCREENED_ROWS of them) get the argmax of
+    their own logits from one screen of the head, without logits; the other rows' logits are those of the plain
+    step. With more greedy rows every row's logits come from the model's head."""
+    loaded = load_model("small", small_model_dir)
+    if loaded.decoder is None:
+        pytest.skip(f"no CPU decoder: {loaded.forward_path.reason}")
+    prompts = [tokens(i, 5 + 7 * i) for i in range(rows)]
+    greedy = [rows > SCREENED_ROWS or row % 3 != 1 for row in range(rows)]
+    steps = [5 + row for row in range(rows)], [len(prompt) for prompt in prompts]
+    logits = BatchedDecode(loaded.model).step(*steps, [prefilled(loaded, p, lane) for lane, p in enumerate(prompts)],
+                                              loaded.device)
+    caches = [prefilled(loaded, prompt, rows + lane) for lane, prompt in enumerate(prompts)]
+    predictions = loaded.step(BatchedDecode(loaded.model), *steps, caches, (), greedy)
+    screened = loaded.decoder.screens(greedy)
+    assert screened == (rows == 3)
+    for row, prediction in enumerate(predictions):
+        assert isinstance(prediction, PickedPrediction) == (screened and greedy[row])
+        assert prediction.greedy() == int(logits[row].argmax())
+        assert float((prediction.logits() - logits[row]).abs().max()) < 1e-5 * float(logits[row].abs().max())
 
 
 @pytest.mark.parametrize("family", RECURRENT)

@@ -110,7 +110,7 @@ def test_head_argmax_is_the_argmax_of_the_float32_logits(kernels: CpuKernels, ro
             x = weight[[3, 7, rows - 1][trial % 9 // 3]].clone() * 20  # aimed at the tied and nudged rows
         logits = head_logits(kernels, x, head)
         assert close(logits, weight @ x + (bias if bias is not None else 0))
-        assert kernels.head_argmax(x, head) == int(torch.argmax(logits)), trial
+        assert kernels.head_argmax(x.unsqueeze(0), head) == [int(torch.argmax(logits))], trial
 
 
 def test_head_argmax_finds_a_row_the_screen_ranks_below_another(kernels: CpuKernels) -> None:
@@ -125,18 +125,18 @@ def test_head_argmax_finds_a_row_the_screen_ranks_below_another(kernels: CpuKern
     x = torch.tensor([0.0, 1.0, 1.0, 0, 0, 0, 0, 0])
     logits = head_logits(kernels, x, head)
     assert int(torch.argmax(logits)) == 2
-    assert kernels.head_argmax(x, head) == 2
+    assert kernels.head_argmax(x.unsqueeze(0), head) == [2]
 
 
 def test_head_argmax_leaves_undecidable_inputs_to_the_caller(kernels: CpuKernels) -> None:
     generator = torch.Generator().manual_seed(2)
     head = kernels.pack_head(torch.randn(500, 64, generator=generator))
-    assert kernels.head_argmax(torch.zeros(64), head) is None  # every logit ties: more candidates than allowed
+    assert kernels.head_argmax(torch.zeros(1, 64), head) == [None]  # every logit ties: more candidates than allowed
     x = torch.randn(64, generator=generator)
     x[5] = float("nan")
-    assert kernels.head_argmax(x, head) is None
+    assert kernels.head_argmax(x.unsqueeze(0), head) == [None]
     x[5] = float("inf")
-    assert kernels.head_argmax(x, head) is None
+    assert kernels.head_argmax(x.unsqueeze(0), head) == [None]
 
 
 def test_gemm_reads_strided_rows_and_transposed_weights(kernels: CpuKernels) -> None:
@@ -278,3 +278,20 @@ def test_rmsnorm_rope_and_silu_match_torch(kernels: CpuKernels) -> None:
     out = torch.empty(4, 40)
     kernels.silu_mul(gate_up, out)
     assert close(out, F.silu(gate_up[:, :40]) * gate_up[:, 40:])
+
+
+@pytest.mark.parametrize("rows", [2, 8, 11, 17])
+def test_head_argmax_of_many_rows_gives_each_rows_own_argmax(kernels: CpuKernels, rows: int) -> None:
+    """One pass of the screen over several rows of x, the undecidable among them left to the caller alone."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = adversarial_head(generator, 700, 64)
+    head = kernels.pack_head(weight.t().contiguous().t())
+    x = torch.randn(rows, 64, generator=generator) * 3
+    x[1] = weight[7] * 20  # aimed at a nudged row
+    x[rows - 1, 5] = float("nan")
+    expected = [kernels.head_argmax(row.unsqueeze(0), head)[0] for row in x]
+    assert expected[:-1] == [int(torch.argmax(head_logits(kernels, row, head))) for row in x[:-1]]
+    assert kernels.head_argmax(x, head) == expected[:-1] + [None]
+    wide = torch.zeros(rows, 96)
+    wide[:, :64] = x
+    assert kernels.head_argmax(wide[:, :64], head) == expected[:-1] + [None]  # rows 96 floats apart
