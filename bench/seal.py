@@ -3,8 +3,10 @@
 Two parts, one run. First the cipher on state-shaped messages (one head's `BLOCK_TOKENS` tokens each) through
 the node's own `Sealer`, on one thread and on all cores. Then a local node on the default model, two callers:
 per length and run, caller A's miss (a cold prompt), then caller B's short request (A's state is now sealed and
-out of the working buffers), A's sealed hit on the same prefix, and A's hot hit right after it. The goals of
-issue 11 are checked and printed with the numbers.
+out of the working buffers), A's sealed hit on the same prefix, and A's hot hit right after it. What sealing adds
+is taken run by run, as the median of each run's sealed hit minus its hot hit: the two follow each other, so a
+slow spell of the machine lifts both, where the difference of two medians taken apart mixes spells. The goals
+of issue 11 are checked and printed with the numbers.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class TtftRow:
     opened_mib: float
     open_ms_at_all_cores: float
     """The time to open the sealed hit's bytes at the measured all-core rate."""
+    extra_ms: float
+    """The median over runs of the sealed hit's TTFT minus the hot hit's right after it."""
 
     @property
     def miss_over_sealed(self) -> float:
@@ -57,8 +61,8 @@ class TtftRow:
 
     @property
     def sealed_extra_over_open(self) -> float:
-        """(sealed - hot) / open time: at most 1.2 when the sealed hit makes no hidden copies."""
-        return (self.sealed_ms - self.hot_ms) / self.open_ms_at_all_cores
+        """What sealing adds, over the open time: at most 1.2 when the sealed hit makes no hidden copies."""
+        return self.extra_ms / self.open_ms_at_all_cores
 
 
 def cipher_rates(total_mib: int, runs: int) -> list[CipherRow]:
@@ -145,11 +149,18 @@ async def _ttfts(node: LocalNode, lengths: tuple[int, ...], runs: int, open_gib_
                 cached.append(sealed.cached_tokens or 0)
                 progress(f"bench seal: {length} tokens, run {run + 1}/{runs}: miss {miss.ttft_s * 1000:.1f} ms, "
                          f"sealed {sealed.ttft_s * 1000:.1f} ms, hot {hot.ttft_s * 1000:.1f} ms")
-            opened = statistics.median(cached) * per_token
-            rows.append(TtftRow(length, statistics.median(times["miss"]), statistics.median(times["sealed"]),
-                                statistics.median(times["hot"]), int(statistics.median(cached)), opened / 2**20,
-                                opened / (open_gib_s * GIB) * 1000.0))
+            rows.append(ttft_row(length, times, cached, per_token, open_gib_s))
         return rows, samples
+
+
+def ttft_row(length: int, times: dict[str, list[float]], cached: list[int], per_token: float,
+             open_gib_s: float) -> TtftRow:
+    """One length's row from its runs' TTFTs in ms (`times[kind][run]`) and the sealed hits' cached tokens."""
+    opened = statistics.median(cached) * per_token
+    return TtftRow(length, statistics.median(times["miss"]), statistics.median(times["sealed"]),
+                   statistics.median(times["hot"]), int(statistics.median(cached)), opened / 2**20,
+                   opened / (open_gib_s * GIB) * 1000.0,
+                   statistics.median(s - h for s, h in zip(times["sealed"], times["hot"], strict=True)))
 
 
 def format_report(ciphers: list[CipherRow], rows: list[TtftRow]) -> str:
@@ -158,9 +169,10 @@ def format_report(ciphers: list[CipherRow], rows: list[TtftRow]) -> str:
               for c in ciphers]
     lines.append("")
     lines.append(f"{'tokens':>7}{'miss ms':>10}{'sealed ms':>11}{'hot ms':>9}{'miss/sealed':>13}{'opened MiB':>12}"
-                 f"{'open ms':>9}{'(sealed-hot)/open':>19}")
+                 f"{'open ms':>9}{'sealed-hot ms':>15}{'(sealed-hot)/open':>19}")
     lines += [f"{r.prompt_tokens:>7}{r.miss_ms:>10.1f}{r.sealed_ms:>11.1f}{r.hot_ms:>9.1f}{r.miss_over_sealed:>13.1f}"
-              f"{r.opened_mib:>12.1f}{r.open_ms_at_all_cores:>9.1f}{r.sealed_extra_over_open:>19.2f}" for r in rows]
+              f"{r.opened_mib:>12.1f}{r.open_ms_at_all_cores:>9.1f}{r.extra_ms:>15.1f}{r.sealed_extra_over_open:>19.2f}"
+              for r in rows]
     return "\n".join(lines)
 
 
@@ -172,8 +184,8 @@ def goals(ciphers: list[CipherRow], rows: list[TtftRow]) -> list[tuple[str, bool
             checks.append((f"{row.prompt_tokens} tokens: a sealed hit at least 10x faster than a miss "
                            f"({row.miss_over_sealed:.1f}x)", row.miss_over_sealed >= 10))
         checks.append((f"{row.prompt_tokens} tokens: sealed - hot within the open time + 20% "
-                       f"({row.sealed_ms - row.hot_ms:.1f} ms against {row.open_ms_at_all_cores * 1.2:.1f} ms)",
-                       row.sealed_ms - row.hot_ms <= row.open_ms_at_all_cores * 1.2))
+                       f"({row.extra_ms:.1f} ms against {row.open_ms_at_all_cores * 1.2:.1f} ms)",
+                       row.extra_ms <= row.open_ms_at_all_cores * 1.2))
     return checks
 
 
@@ -208,7 +220,7 @@ def add_seal_bench(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -
     seal.add_argument("--threads", type=int, default=1, help="torch threads of the local node")
     seal.add_argument("--lengths", default="1024,4096,8191", help="prompt tokens (8191: 8k with the one output "
                       "token in the default model's context)")
-    seal.add_argument("--runs", type=int, default=3)
+    seal.add_argument("--runs", type=int, default=5)
     seal.add_argument("--cipher-mib", type=int, default=256, help="MiB sealed and opened per cipher run")
     seal.add_argument("--seed", type=int, default=0)
     seal.add_argument("--device", help="device of the local node")

@@ -1,0 +1,21 @@
+"""`tenzro bench seal`'s rows and goals from given timings (the bench itself runs a node: a benchmark, not a test)."""
+
+from __future__ import annotations
+
+from bench.seal import GIB, CipherRow, goals, ttft_row
+
+
+def test_what_sealing_adds_is_taken_run_by_run() -> None:
+    """Each run's sealed hit minus the hot hit right after it: a slow run lifts both. The medians taken apart
+    (32 - 31 = 1 ms) would hide the 2 ms the runs show."""
+    times = {"miss": [900.0, 950.0, 1000.0], "sealed": [30.0, 50.0, 32.0], "hot": [28.0, 45.0, 31.0]}
+    per_token = 32 * 1024
+    row = ttft_row(4096, times, [4064, 4064, 4064], per_token, open_gib_s=10.0)
+    assert (row.miss_ms, row.sealed_ms, row.hot_ms, row.extra_ms) == (950.0, 32.0, 31.0, 2.0)
+    assert row.sealed_cached_tokens == 4064
+    assert row.open_ms_at_all_cores == 4064 * per_token / (10.0 * GIB) * 1000.0  # 12.4 ms
+    ciphers = [CipherRow("seal", 1.0, 1.8, 2), CipherRow("open", 5.0, 10.0, 2)]
+    assert [met for _, met in goals(ciphers, [row])] == [True, True, True]
+    slow = ttft_row(4096, {**times, "sealed": [45.0, 65.0, 47.0]}, [4064] * 3, per_token, open_gib_s=10.0)
+    assert slow.extra_ms == 17.0  # over 1.2 x 12.4 ms
+    assert [met for _, met in goals(ciphers, [slow])] == [True, True, False]
