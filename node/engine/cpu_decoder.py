@@ -70,17 +70,18 @@ class HeadPrediction(Prediction):
         return int(torch.argmax(self.logits()))
 
 
-class PickedPrediction(Prediction):
-    """A greedy token a screen of the head found; the logits, if asked for, from `logits`."""
+class RowPrediction(Prediction):
+    """One row of a batched step: its greedy token where a screen of the head found it (else None), and its
+    logits from `logits` when asked for."""
 
-    def __init__(self, index: int, logits: Callable[[], torch.Tensor]) -> None:
-        self._index, self._logits = index, logits
+    def __init__(self, index: int | None, logits: Callable[[], torch.Tensor]) -> None:
+        self.index, self._logits = index, logits
 
     def logits(self) -> torch.Tensor:
         return self._logits()
 
     def greedy(self) -> int:
-        return self._index
+        return self.index if self.index is not None else super().greedy()
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -218,15 +219,16 @@ class CpuDecoder:
         decide, from one run of the model's own head over those rows, when first asked for."""
         rows = [row for row, wanted in enumerate(greedy) if wanted]
         picked = dict(zip(rows, self._kernels.head_argmax(hidden[rows].contiguous(), self._head), strict=True))
-        logits: list[torch.Tensor] = []
+        unpicked = [row for row in range(hidden.shape[0]) if picked.get(row) is None]
+        logits: dict[int, torch.Tensor] = {}
 
         def row_logits(row: int) -> torch.Tensor:
-            if not logits:
-                logits.append(self._model.lm_head(hidden).float())
-            return logits[0][row]
+            if row not in logits:  # the rows that need logits at once; a picked row's alone
+                wanted = unpicked if row in unpicked else [row]
+                logits.update(zip(wanted, self._model.lm_head(hidden[wanted]).float(), strict=True))
+            return logits[row]
 
-        return [PickedPrediction(index, partial(row_logits, row)) if (index := picked.get(row)) is not None
-                else _Lazy(partial(row_logits, row)) for row in range(hidden.shape[0])]
+        return [RowPrediction(picked.get(row), partial(row_logits, row)) for row in range(hidden.shape[0])]
 
     def extend(self, ids: list[int], start: int, cache: DynamicCache) -> None:
         """Write the K/V of `ids` into `cache` and nothing else: the last layer's attention, MLP and the
@@ -255,14 +257,6 @@ class CpuDecoder:
         last = torch.empty(self.hidden)
         self._kernels.decoder_forward(self._native, ids, start, cos, sin, self._work, want_logits, last)
         return last if want_logits else None
-
-
-class _Lazy(Prediction):
-    def __init__(self, logits: Callable[[], torch.Tensor]) -> None:
-        self._logits = logits
-
-    def logits(self) -> torch.Tensor:
-        return self._logits()
 
 
 DECODERS: dict[type, type[CpuDecoder]] = {LlamaForCausalLM: CpuDecoder}

@@ -23,7 +23,7 @@ from cache.arena import Scope, new_prefix_cache
 from cache.budget import CacheBudget
 from cache.working_cache import GrowableKVLayer
 from node.engine.batch_forward import BatchedDecode, Shared, batch_blocker, batchable, equal_rows
-from node.engine.cpu_decoder import SCREENED_ROWS, PickedPrediction
+from node.engine.cpu_decoder import SCREENED_ROWS, RowPrediction
 from node.engine.cpu_kernels import load_kernels, native_switched_off
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, GenerationResult, Runner
@@ -388,7 +388,7 @@ def test_a_steps_greedy_rows_take_their_tokens_from_one_screen_of_the_head(small
     screened = loaded.decoder.screens(greedy)
     assert screened == (rows == 3)
     for row, prediction in enumerate(predictions):
-        assert isinstance(prediction, PickedPrediction) == (screened and greedy[row])
+        assert (isinstance(prediction, RowPrediction) and prediction.index is not None) == (screened and greedy[row])
         assert prediction.greedy() == int(logits[row].argmax())
         assert float((prediction.logits() - logits[row]).abs().max()) < 1e-5 * float(logits[row].abs().max())
 
