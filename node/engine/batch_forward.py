@@ -304,19 +304,18 @@ class BatchedDecode:
                       "position_ids": torch.tensor(positions, device=device).unsqueeze(1),
                       "cache": _STEP.rows, "use_cache": True}
             if hidden:
-                states = self._model.model(**inputs).last_hidden_state[:, -1]
+                result = self._model.model(**inputs).last_hidden_state[:, -1]
             else:
                 out = self._model(**inputs,
                                   logits_to_keep=1 if logits else torch.zeros(0, dtype=torch.long, device=device))
+                result = out.logits[:, -1].float() if logits else out.logits.new_zeros(len(tokens), 0)
             rows.scatter()
         finally:
             _STEP.rows = None
             self.shared_rows += rows.shared_rows
             for config, name in zip(self._configs, self._implementations, strict=True):
                 config._attn_implementation_internal = name
-        if hidden:
-            return states
-        return out.logits[:, -1].float() if logits else out.logits.new_zeros(len(tokens), 0)
+        return result
 
 
 _ROW_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer)
