@@ -90,23 +90,22 @@ def cipher_rates(total_mib: int, runs: int) -> list[CipherRow]:
     sealed = bytearray(len(plain_parts) * (message + TAG_BYTES))
     cores = len(os.sched_getaffinity(0))
     scope, place = Scope("bench", "bench"), Place(1, 0, BLOCK_TOKENS, "span")
-    rates: dict[tuple[str, int], float] = {}
-    for threads in (1, cores):
-        sealer = Sealer(threads)
-        seal_s, open_s = [], []
-        for _ in range(runs + 1):  # the first of each is a warm-up
+    sealers = {threads: Sealer(threads) for threads in (1, cores)}
+    times: dict[tuple[str, int], list[float]] = {(op, threads): [] for op in ("seal", "open") for threads in sealers}
+    for _ in range(runs + 1):  # the first is a warm-up; one thread and all cores alternate, sharing the spells
+        for threads, sealer in sealers.items():
             started = time.perf_counter()
             nonces = sealer.seal(scope, place, plain_parts, sealed)
-            seal_s.append(time.perf_counter() - started)
+            times[("seal", threads)].append(time.perf_counter() - started)
             jobs = sealer.open_jobs(scope, place, nonces, sealed, opened_parts)
+            opened.zero_()
             started = time.perf_counter()
             sealer.run_open(jobs)
-            open_s.append(time.perf_counter() - started)
-        size = plain.numel() * plain.element_size() / GIB
-        rates[("seal", threads)] = size / statistics.median(seal_s[1:])
-        rates[("open", threads)] = size / statistics.median(open_s[1:])
-        if not torch.equal(opened, plain):
-            raise BenchError("opened state differs from what was sealed")
+            times[("open", threads)].append(time.perf_counter() - started)
+            if not torch.equal(opened, plain):
+                raise BenchError("opened state differs from what was sealed")
+    size = plain.numel() * plain.element_size() / GIB
+    rates = {key: size / statistics.median(seconds[1:]) for key, seconds in times.items()}
     return [CipherRow(op, rates[(op, 1)], rates[(op, cores)], cores) for op in ("seal", "open")]
 
 

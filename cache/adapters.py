@@ -9,7 +9,7 @@ states. Each adapter knows how its kind is cut, restored and split, and nothing 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,14 +297,16 @@ class ModelStateAdapter:
             self._pools.setdefault(lane, BufferPool()).reserve(model, rows)
             self._last.pop(lane, None)  # its views may be of buffers just replaced
 
-    def wipe_pool(self, keep: int, dirty: int, lane: int = 0) -> None:
-        """Zero rows `[keep, dirty)` of `lane`'s working buffers: what they hold there is no longer hot state."""
+    def wipe_pool(self, keep: int, dirty: int, lane: int = 0, stop: Callable[[], bool] = lambda: False) -> int:
+        """Zero rows `[keep, dirty)` of `lane`'s working buffers: what they hold there is no longer hot state.
+        Returns the end of the rows still to zero (`keep` when done; more when `stop()` interrupted it)."""
         pool = self._pools.get(lane)
-        if pool is not None:
-            pool.zero_rows(keep, dirty)
+        left = keep if pool is None else pool.zero_rows(keep, dirty, stop)
         last = self._last.get(lane)
-        if not keep and last is not None and not all(isinstance(layer, GrowableKVLayer) for layer in last.layers):
+        if (not keep and left == keep and last is not None
+                and not all(isinstance(layer, GrowableKVLayer) for layer in last.layers)):
             del self._last[lane]  # its sliding-window and recurrent tensors are not hot state either
+        return left
 
     def materialize(self, cache: DynamicCache) -> None:
         """Copy restored pieces held by reference into the working buffers (see `GrowableKVLayer.defer`)."""

@@ -76,3 +76,16 @@ def test_a_reserved_pool_holds_zeroed_buffers_shaped_as_its_model_and_keeps_them
     layer = GrowableKVLayer(capacity=1000, pool=pool)
     layer.update(*kv(10, 1000))
     assert [pool.held(slot) for slot in (0, 1)] == held
+
+
+def test_zeroing_rows_goes_from_the_last_row_down_in_batches_and_stops_when_asked(monkeypatch) -> None:
+    pool = BufferPool()
+    layer = GrowableKVLayer(capacity=100, pool=pool)
+    layer.update(*kv(11, 100))
+    monkeypatch.setattr("cache.working_cache.WIPE_BATCH_BYTES", 30 * pool.row_bytes)
+    looks = iter([False, False, True])
+    assert pool.zero_rows(10, 100, lambda: next(looks)) == 40  # two batches of 30 rows, then asked to stop
+    buffers = [pool.held(slot) for slot in (0, 1)]
+    assert all(b is not None and b[:, :, 10:40].all() and not b[:, :, 40:100].any() for b in buffers)
+    assert pool.zero_rows(10, 40) == 10
+    assert all(b is not None and b[:, :, :10].all() and not b[:, :, 10:100].any() for b in buffers)

@@ -103,6 +103,30 @@ def test_retention_none_stores_nothing_and_leaves_no_working_state(loaded: Loade
     assert run(sealed, ALICE, prompt)[1] == 0
 
 
+def test_a_wipe_of_an_idle_lane_gives_way_to_waiting_work_and_a_later_settle_finishes_it(
+        loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    sealed = sealed_runner(loaded)
+    sealed.generate(GenerationRequest(ALICE, tokens(9, 300), SamplingParams(8, 0.0), (), False),
+                    emit=lambda _: None, cancelled=lambda: False)
+    assert loaded.state is not None
+    pool = loaded.state._pools[0]
+    monkeypatch.setattr("cache.working_cache.WIPE_BATCH_BYTES", 64 * pool.row_bytes)
+    looks: list[int] = []
+
+    def stop() -> bool:  # a request arrives after the first batch of rows
+        looks.append(1)
+        return len(looks) > 1
+
+    dirty = sealed._dirty[0]
+    assert dirty >= 300
+    sealed.settle(stop)
+    assert sealed._dirty[0] == dirty - 64  # what is left to zero
+    for buffer in pool._buffers.values():
+        assert buffer[:, :, :dirty - 64].any() and not buffer[:, :, dirty - 64:dirty].any()
+    sealed.settle()
+    assert sealed._dirty[0] == 0 and all(not buffer[:, :, :dirty].any() for buffer in pool._buffers.values())
+
+
 def test_a_removed_caller_leaves_zeros_and_no_key(loaded: LoadedModel) -> None:
     sealed = sealed_runner(loaded)
     run(sealed, ALICE, tokens(8, 90))
