@@ -21,7 +21,7 @@ from cache.working_cache import GrowableKVLayer
 from node.engine.batch_forward import Shared, equal_rows
 
 if TYPE_CHECKING:
-    from node.engine.runner import GenerationRequest, Running
+    from node.engine.sequence import GenerationRequest, Running
 
 FOLLOW_MIN = 64
 """Fewest prompt tokens a request copies from a running request of its caller rather than computes."""

@@ -1,0 +1,115 @@
+"""What the runner serves: a request, its result, and `Running`, one request while it runs in a lane."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from cache.adapters import Snapshot
+from cache.arena import Scope
+from node.engine.detokenizer import Detokenizer
+from node.engine.prediction import Prediction
+from node.engine.sampling import Sampler, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixForms:
+    """What a routing summary may say of a request (`cache/summary.py`): the forms of its prompt's prefixes that
+    end on a message boundary (or its whole text prompt), each at its token position, and how to form the chat
+    continued by the reply (None for a text completion). SHA-256 digests of prompt content: memory only."""
+
+    at: tuple[tuple[int, bytes], ...] = ()
+    reply: Callable[[str], bytes] | None = None
+
+
+NO_FORMS = PrefixForms()
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    scope: Scope
+    prompt: list[int]
+    params: SamplingParams
+    boundaries: tuple[int, ...] = ()
+    """Token positions where messages of the rendered chat template start (snapshot candidates)."""
+    retain: bool = True
+    """Keep this request's state for reuse; False: nothing of it is stored or left hot after the reply."""
+    forms: PrefixForms = NO_FORMS
+    """Remembered with the stored state (when it is kept), for the caller's router's summaries."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    prompt_tokens: int
+    cached_read_tokens: int
+    """Prompt tokens restored from stored state, or copied from a running request of the same caller, instead
+    of computed."""
+    cached_write_tokens: int
+    """Prompt tokens computed by this request and now held for reuse."""
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+    """"stop" (end of sequence or a stop string), "length" (max_tokens) or "cancelled"."""
+    queue_wait_s: float
+    ttft_s: float
+    retained: bool = True
+    """The request's state was kept for reuse (False: retention none, nothing stored)."""
+    matched_tokens: int = 0
+    """Prompt tokens that agreed with this scope's stored tokens (at most all but one): what a node able to
+    resume at any token would have reused. `cached_read_tokens` falls short of it only between snapshots."""
+
+
+@dataclass(eq=False)
+class Running:
+    """One request while it runs: its lane's working cache, how far its prompt is computed, its reply so far."""
+
+    request: GenerationRequest
+    emit: Callable[[str], Any]
+    cancelled: Callable[[], bool]
+    queue_wait_s: float
+    lane: int
+    started: float
+    cache: DynamicCache
+    restored: int
+    """Prompt tokens restored from stored state, or copied from `donor`, instead of computed."""
+    matched: int
+    stops: list[int]
+    """Where the prefill's chunks end, in order: every snapshot position and every `prefill_chunk` tokens."""
+    wanted: frozenset[int]
+    """Positions to snapshot the state at."""
+    sampler: Sampler
+    detok: Detokenizer
+    scratch: list[torch.Tensor] = field(default_factory=list)
+    """State opened for this sequence outside its lane's buffers; zeroed when it ends."""
+    position: int = 0
+    """Prompt tokens in the cache."""
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)
+    prediction: Prediction | None = None
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    """None while it runs; then "stop", "length" or "cancelled"."""
+    ttft: float = 0.0
+    discard: bool = False
+    """Its caller went while it ran: nothing of it is stored."""
+    fed: bool = False
+    """Its last sampled token has run (`Runner.feed_last`): `finish` stores the state as it is."""
+    donor: tuple[Running, int] | None = None
+    """(request, n): a running request of the same caller whose prompt agrees with this one's for n tokens, and
+    which computes them ahead of this one; this one copies its rows instead of computing them (`Runner.follow`)."""
+
+    @property
+    def prefilling(self) -> bool:
+        return self.position < len(self.request.prompt)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def next_chunk(self) -> int:
+        """Tokens of the next prefill chunk."""
+        return self.stops[0] - self.position if self.stops else 0
