@@ -243,12 +243,13 @@ class Runner:
         assert free, "the scheduler admits no more requests than there are lanes"
         return min(free, key=lambda lane: (lane == hot, lane))
 
-    def settle(self, stop: Callable[[], bool] = lambda: False) -> None:
-        """Between steps and after replies: seal cold state, then zero plaintext that is no longer hot (rows of
-        idle lanes beyond the hot working cache, state opened outside the lanes, the native forward's scratch),
-        both yielding to waiting work (`stop`): rows a wipe leaves are zeroed once no request waits, or written
-        over by the lane's next request. Sealing comes first: spans stored from a lane borrow its rows until
-        they are sealed or copied, which `seal_cold` does to every one of them."""
+    def settle(self, stop: Callable[[], bool] = lambda: False, waiting: Callable[[], bool] | None = None) -> None:
+        """Between steps and after replies: seal cold state, yielding to other work (`stop`), then zero plaintext
+        that is no longer hot (rows of idle lanes beyond the hot working cache, state opened outside the lanes,
+        the native forward's scratch), yielding only to requests waiting to start (`waiting`, default `stop`):
+        rows a wipe leaves are zeroed by the next `settle` no request waits on, or written over by the lane's
+        next request. Sealing comes first: spans stored from a lane borrow its rows until they are sealed or
+        copied, which `seal_cold` does to every one of them."""
         if self.prefix_cache is not None:
             self.prefix_cache.seal_cold(stop)
         state = self.loaded.state
@@ -256,7 +257,7 @@ class Runner:
             for lane, dirty in list(self._dirty.items()):
                 if lane not in self._live:
                     keep = len(self._hot[2]) if self._hot is not None and self._hot[0] == lane else 0
-                    self._dirty[lane] = max(keep, state.wipe_pool(keep, dirty, lane, stop))
+                    self._dirty[lane] = max(keep, state.wipe_pool(keep, dirty, lane, waiting or stop))
         if self.arena is not None:
             self.arena.wipe_scratch()
         if self.loaded.decoder is not None:

@@ -309,8 +309,10 @@ class Scheduler:
             else:
                 job.post(Finished(result))
         if ended:
-            # After replies: plaintext no longer hot is zeroed and cold state sealed; waiting work goes first.
-            self._guarded(lambda: self.runner.settle(stop=lambda: bool(self._running) or self._waiting > 0))
+            # After replies: cold state is sealed, running and waiting work going first (up to a bound), and
+            # plaintext no longer hot is zeroed, requests waiting to start going first.
+            self._guarded(lambda: self.runner.settle(stop=lambda: bool(self._running) or self._waiting > 0,
+                                                     waiting=lambda: self._waiting > 0))
 
     def _drop(self, failed: list[tuple[Job, Running]], exc: Exception) -> None:
         for job, seq in failed:
