@@ -24,13 +24,17 @@ $(STAMP): pyproject.toml setup.py node/engine/kernels/cpu_kernels.cpp
 run: $(STAMP)
 	$(VENV)/bin/tenzro node serve --model default --host $(HOST) --port $(PORT)
 
+# One test process per core, at most 4 (each holds models, and its servers more); a file's tests stay in one
+# process, so its module fixtures are built once. Every test process and server runs torch on one thread.
+PARALLEL := -n auto --maxprocesses 4 --dist loadfile
+
 # The whole suite, then the engine and server tests again on transformers' forward (TENZRO_NATIVE=off), so
 # both forward paths are tested on a machine that runs the native kernels. -rs prints every skip's reason.
 FORWARD_TESTS := tests/node/engine tests/node/test_server.py tests/node/test_reuse_matrix.py \
 	tests/node/test_metering_node.py
 test: $(STAMP)
-	$(PY) -m pytest -q -rs tests
-	TENZRO_NATIVE=off $(PY) -m pytest -q -rs $(FORWARD_TESTS)
+	$(PY) -m pytest -q -rs $(PARALLEL) tests
+	TENZRO_NATIVE=off $(PY) -m pytest -q -rs $(PARALLEL) $(FORWARD_TESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check node cache metering attestation policies router bench tests scripts setup.py
