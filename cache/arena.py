@@ -7,12 +7,14 @@ covers (full-attention K/V), and optionally a snapshot taken at the node's end.
 Tiers. A payload is stored in plaintext (the hot tier) and sealed by `seal_cold` after the reply, least
 recently used first, until the hot tier holds at most `plaintext_bytes`; sealing zeroes the plaintext it
 replaces. A sealed span opens straight into the working cache's buffers (no plaintext copy in between), in
-messages of at most `BLOCK_TOKENS` tokens of one head, opened in parallel threads; opening leaves the
-entry sealed. Everything freed or shredded is zeroed first, so no stored state outlives its entry in memory.
+messages of at most `BLOCK_TOKENS` tokens of one head, opened in parallel threads, for the runner while its
+first chunk computes (`restore(later=True)`, `cache/opening.py`); opening leaves the entry sealed.
+Everything freed or shredded is zeroed first, so no stored state outlives its entry in memory.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -23,9 +25,11 @@ import torch
 
 from cache.adapters import KVPiece, ModelStateAdapter, RecurrentPiece, Snapshot, SpanState, state_bytes
 from cache.budget import CacheBudget
+from cache.opening import Opening, SealedEntryError
 from cache.prefix_cache import ColdPass, PrefixCache
 from cache.scope import Scope, SpanHandle
 from cache.sealing import TAG_BYTES, Place, Sealer, SealError
+from cache.working_cache import GrowableKVLayer
 
 __all__ = ["BLOCK_TOKENS", "Scope", "SealCost", "SealedEntryError", "SpanHandle", "StateArena", "new_prefix_cache"]
 
@@ -68,12 +72,21 @@ class SealCost:
         return self.worth_sealing(self.sample_bytes, self.sample_tokens)
 
 
-class SealedEntryError(SealError):
-    """Entries of a restore failed authentication; `handles` names them, to drop."""
+def _place(copies: list[tuple[torch.Tensor, torch.Tensor, int, int]], start: int, take: int) -> None:
+    """Copy rows `[start, take)` of blocks opened into scratch (scratch, its head's rows, block's first and end
+    row) into place, and zero the scratch."""
+    for scratch, row_target, first, end in copies:
+        low, high = max(first, start), min(end, take)
+        row_target[low - start:high - start].copy_(scratch[low - first:high - first])
+        scratch.zero_()
 
-    def __init__(self, handles: list[SpanHandle]) -> None:
-        super().__init__(f"{len(handles)} sealed entr{'y' if len(handles) == 1 else 'ies'} failed authentication")
-        self.handles = handles
+
+def _settled(opening: Opening) -> None:
+    """Wait for every layer of `opening`, whether or not it opens."""
+    try:
+        opening.finish()
+    except SealedEntryError:
+        pass
 
 
 def _map(payload: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -383,32 +396,47 @@ class StateArena:
     # -- restoring into a working cache ------------------------------------------------------------------
 
     def restore(self, adapter: ModelStateAdapter, cache: Any, spans: Sequence[tuple[SpanHandle, int]], skip: int,
-                snapshot: SpanHandle | None, position: int) -> None:
+                snapshot: SpanHandle | None, position: int, later: bool = False) -> Opening | None:
         """Fill a new working cache to resume at `position`: `spans` cover `[0, position)` in order, (handle,
         tokens to take); the first `skip` tokens are already in the cache (an adopted prefix). Hot spans are
         taken by reference, sealed ones opened into the working buffers. Raises SealedEntryError naming the
-        entries that failed to open (the cache is then unusable: start a fresh one)."""
+        entries that failed to open (the cache is then unusable: start a fresh one).
+
+        `later`: sealed rows of pooled layers may still be opening on return, in the returned `Opening` (see
+        `cache/opening.py`), which the caller must `finish` before anything but the cache's own layers reads
+        them; a failure of those rows is raised there."""
         offset, now = 0, self._clock()
-        for handle, take in spans:
-            entry = self._entries[handle]
-            entry.last_used = now
-            start = max(0, skip - offset)
-            if start < take:
-                if entry.span.plain is not None:
-                    adapter.restore_span(cache, entry.span.plain, start, take)
-                else:
-                    self._open_span(adapter, cache, handle, entry, start, take)
-            offset += take
-        if snapshot is not None:
-            entry = self._entries[snapshot]
-            entry.last_used = now
-            assert entry.snapshot is not None
-            adapter.restore_snapshot(cache, self._plain(snapshot, entry, "snapshot", entry.snapshot), position)
+        opening = Opening(self._count_failure) if later and self.sealer is not None else None
+        try:
+            for handle, take in spans:
+                entry = self._entries[handle]
+                entry.last_used = now
+                start = max(0, skip - offset)
+                if start < take:
+                    if entry.span.plain is not None:
+                        adapter.restore_span(cache, entry.span.plain, start, take)
+                    else:
+                        self._open_span(adapter, cache, handle, entry, start, take, opening)
+                offset += take
+            if snapshot is not None:
+                entry = self._entries[snapshot]
+                entry.last_used = now
+                assert entry.snapshot is not None
+                adapter.restore_snapshot(cache, self._plain(snapshot, entry, "snapshot", entry.snapshot), position)
+        except SealedEntryError:
+            if opening is not None:
+                _settled(opening)  # no thread may write into the cache once it is given up
+            raise
+        return opening if opening is not None and opening.layers else None
+
+    def _count_failure(self) -> None:
+        self.open_failures += 1
 
     def _open_span(self, adapter: ModelStateAdapter, cache: Any, handle: SpanHandle, entry: _Entry, start: int,
-                   take: int) -> None:
+                   take: int, opening: Opening | None = None) -> None:
         """Open tokens `[start, take)` of a sealed span into the working cache: whole blocks straight into the
-        layers' buffers, a block cut by `start` or `take` through a scratch block."""
+        layers' buffers, a block cut by `start` or `take` through a scratch block. With `opening`, the messages
+        of pooled layers are handed to the sealing threads layer by layer and left opening there."""
         assert entry.span.sealed is not None and entry.span.origin is not None and self.sealer is not None
         sealed = entry.span.sealed
         lo = entry.span.window[0]
@@ -439,6 +467,11 @@ class StateArena:
                             out = _bytes(scratch)
                         outs.append((index, sealed.nonces[index], blob[offsets[index]:offsets[index + 1]], out))
                     index += 1
+            if opening is not None and isinstance(cache.layers[layer_index], GrowableKVLayer):
+                futures = self.sealer.open_later(self.sealer.open_jobs_at(entry.scope, entry.span.origin, outs))
+                opening.add(layer_index, handle, futures, functools.partial(_place, copies, start, take))
+                cache.layers[layer_index].opening = functools.partial(opening.wait, layer_index)
+                outs, copies = [], []
         jobs = self.sealer.open_jobs_at(entry.scope, entry.span.origin, outs)
         try:
             self.sealer.run_open(jobs)
@@ -446,10 +479,7 @@ class StateArena:
             self.open_failures += 1
             raise SealedEntryError([handle]) from None
         finally:
-            for scratch, row_target, first, end in copies:
-                low, high = max(first, start), min(end, take)
-                row_target[low - start:high - start].copy_(scratch[low - first:high - first])
-                scratch.zero_()
+            _place(copies, start, take)
         adapter.finish_rows(cache, take - start)
 
     # -- tiers --------------------------------------------------------------------------------------------

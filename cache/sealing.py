@@ -23,7 +23,7 @@ import ctypes.util
 import os
 import struct
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,14 +164,12 @@ class Sealer:
         return self.open_jobs_at(scope, place, messages)
 
     def run_open(self, jobs: Sequence[tuple[Any, ...]]) -> None:
-        def some(share: Sequence[tuple[Any, ...]]) -> None:
-            for aead, nonce, data, ad, out in share:
-                aead.decrypt_into(nonce, data, ad, out)
+        self._spread(_open_share, jobs)
 
-        try:
-            self._spread(some, jobs)
-        except InvalidTag:
-            raise SealError("a sealed entry failed authentication") from None
+    def open_later(self, jobs: Sequence[tuple[Any, ...]]) -> list[Future[None]]:
+        """`run_open` in the sealing threads, returning at once: one future per thread's share of `jobs`, whose
+        `result()` raises SealError where a message of the share failed."""
+        return [self._pool.submit(_open_share, share) for share in self._shares(jobs)]
 
     def _run(self, method: Any, jobs: list[tuple[Any, ...]]) -> None:
         def some(share: Sequence[tuple[Any, ...]]) -> None:
@@ -180,14 +178,17 @@ class Sealer:
 
         self._spread(some, jobs)
 
+    def _shares(self, jobs: Sequence[tuple[Any, ...]]) -> list[Sequence[tuple[Any, ...]]]:
+        """One contiguous share of `jobs` per thread: one task each, not one per message."""
+        size = -(-len(jobs) // max(1, min(self.threads, len(jobs))))
+        return [jobs[i:i + size] for i in range(0, len(jobs), max(1, size))]
+
     def _spread(self, work: Any, jobs: Sequence[tuple[Any, ...]]) -> None:
-        """`work` over one contiguous share of `jobs` per thread: one task each, not one per message."""
-        shares = min(self.threads, len(jobs))
-        if shares <= 1:
+        """`work` over `_shares(jobs)`."""
+        parts = self._shares(jobs)
+        if len(parts) <= 1:
             work(jobs)
             return
-        size = -(-len(jobs) // shares)
-        parts = [jobs[i:i + size] for i in range(0, len(jobs), size)]
         # The calling thread takes a share itself: one thread fewer to wake, one core less idle.
         others = [self._pool.submit(work, part) for part in parts[1:]]
         try:
@@ -195,3 +196,12 @@ class Sealer:
         finally:
             for other in others:
                 other.result()
+
+
+def _open_share(share: Sequence[tuple[Any, ...]]) -> None:
+    """Open (aead, nonce, sealed bytes, associated data, out) messages one after another."""
+    try:
+        for aead, nonce, data, ad, out in share:
+            aead.decrypt_into(nonce, data, ad, out)
+    except InvalidTag:
+        raise SealError("a sealed entry failed authentication") from None

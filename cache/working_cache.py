@@ -101,6 +101,11 @@ class GrowableKVLayer(DynamicLayer):
     is a memcpy of tens of megabytes on its time to first token.
     """
 
+    opening: Callable[[], None] | None = None
+    """Set while sealed rows of this layer are still being opened into its buffers (`cache/opening.py`):
+    called, once, by `wait_rows`, before anything reads the rows: `keys` and `values` call it; `segments()`
+    hands out views without reading them, and its reader calls `wait_rows` first."""
+
     def __init__(self, capacity: int, pool: BufferPool | None = None, slot: int = 0) -> None:
         super().__init__()
         self.capacity = max(1, capacity)
@@ -110,6 +115,35 @@ class GrowableKVLayer(DynamicLayer):
         self._value_buffer: torch.Tensor | None = None
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         """(position, keys, values) appended by reference, in position order; immutable stored pieces."""
+
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
+        self.wait_rows()
+        return self._keys
+
+    @keys.setter
+    def keys(self, keys: torch.Tensor | None) -> None:
+        self._keys = keys
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
+        self.wait_rows()
+        return self._values
+
+    @values.setter
+    def values(self, values: torch.Tensor | None) -> None:
+        self._values = values
+
+    def wait_rows(self) -> None:
+        """Return once every stored row of this layer is in place (at once unless rows are still opening)."""
+        if self.opening is not None:
+            opening, self.opening = self.opening, None
+            opening()
+
+    def get_seq_length(self) -> int:
+        """The length is known while rows are still opening: it does not wait for them."""
+        keys = self._keys
+        return 0 if not self.is_initialized or keys is None or keys.numel() == 0 else int(keys.shape[-2])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,8 +187,8 @@ class GrowableKVLayer(DynamicLayer):
     def segments(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) pieces covering positions `[0, length)` in order: buffer views and pieces held by
         reference."""
-        assert self._key_buffer is not None and self._value_buffer is not None and self.keys is not None
-        pieces, position, end = [], 0, self.keys.shape[-2]
+        assert self._key_buffer is not None and self._value_buffer is not None and self._keys is not None
+        pieces, position, end = [], 0, self._keys.shape[-2]  # views only: the rows are not read here
         for start, keys, values in self._pending:
             if start > position:
                 pieces.append((self._key_buffer[:, :, position:start], self._value_buffer[:, :, position:start]))
@@ -210,6 +244,7 @@ class GrowableKVLayer(DynamicLayer):
         return True
 
     def _grow(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, filled: int) -> None:
+        self.wait_rows()  # its rows are about to be copied into a new buffer
         batch, heads, _, head_dim = keys.shape
         key_shape, value_shape = (batch, heads, capacity, head_dim), (batch, heads, capacity, values.shape[-1])
         if self._pool is not None:

@@ -249,13 +249,18 @@ class CpuDecoder:
         tokens = len(ids)
         cos, sin = self._rotary(start, tokens)
         like = self._like[:, :, :tokens]
+        layer_caches = []
         for layer, layer_cache in zip(self._native.layers, cache.layers, strict=True):
             # The kernels write the new rows in place and read restored pieces where they lie.
             assert isinstance(layer_cache, GrowableKVLayer)  # see takes()
             new_keys, new_values, segments = layer_cache.reserve(like)
             layer.set_cache(new_keys, new_values, segments)
+            layer_caches.append(layer_cache)
         last = torch.empty(self.hidden)
-        self._kernels.decoder_forward(self._native, ids, start, cos, sin, self._work, want_logits, last)
+        # A sealed hit's rows may still be opening: each layer waits for its own, between the layers' compute.
+        opening = any(layer_cache.opening is not None for layer_cache in layer_caches)
+        ready = (lambda index: layer_caches[index].wait_rows()) if opening else None
+        self._kernels.decoder_forward(self._native, ids, start, cos, sin, self._work, want_logits, last, ready)
         return last if want_logits else None
 
 

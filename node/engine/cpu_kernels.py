@@ -15,7 +15,7 @@ import importlib.util
 import logging
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +37,8 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
                             ctypes.c_int),
     "tz_pack_screen": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr], None),
     "tz_head_argmax": ([_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr], None),
-    "tz_decoder_forward": ([_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _ptr], ctypes.c_int),
+    "tz_decoder_forward": ([_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _ptr, _ptr],
+                           ctypes.c_int),
     "tz_rmsnorm": ([_ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64], None),
     "tz_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
     "tz_silu_mul": ([_ptr, _i64, _i64, _ptr], None),
@@ -85,6 +86,10 @@ def _aligned_empty(count: int, dtype: torch.dtype = torch.float32) -> torch.Tens
     raw = torch.empty(count + spare, dtype=dtype)
     offset = (-raw.data_ptr() % ALIGNMENT) // size
     return raw[offset:offset + count]
+
+
+_Ready = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+"""`tz_decoder_forward`'s callback before a layer's attention; ctypes takes the interpreter lock around it."""
 
 
 class _Linear(ctypes.Structure):
@@ -311,11 +316,13 @@ class CpuKernels:
         return bool(status == 0)
 
     def decoder_forward(self, decoder: NativeDecoder, ids: Sequence[int], start: int, cos: torch.Tensor,
-                        sin: torch.Tensor, work: torch.Tensor, logits: bool, last: torch.Tensor) -> None:
+                        sin: torch.Tensor, work: torch.Tensor, logits: bool, last: torch.Tensor,
+                        ready: Callable[[int], None] | None = None) -> None:
         """Run the tokens `ids` at positions `start..` through every layer of `decoder`, whose layers' caches
         are set; cos/sin `[T, head_dim]`; work holds at least `decoder.work_floats(T)` floats. With `logits`,
         the last token's final normed hidden state goes to `last` `[hidden]`; without, the last layer stops
-        once its K/V are written."""
+        once its K/V are written. `ready(layer)`, if given, runs before a layer's attention reads its stored
+        rows (it must not raise)."""
         tokens = len(ids)
         assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[0] == tokens
         assert work.numel() >= decoder.work_floats(tokens) and last.numel() == decoder.hidden
@@ -324,7 +331,7 @@ class CpuKernels:
         status = self._lib.tz_decoder_forward(ctypes.addressof(decoder.model), ctypes.addressof(decoder.structs),
                                               len(decoder.layers), (ctypes.c_int64 * tokens)(*ids), tokens, start,
                                               cos.data_ptr(), sin.data_ptr(), work.data_ptr(), int(logits),
-                                              last.data_ptr())
+                                              last.data_ptr(), None if ready is None else _Ready(ready))
         if status != 0:
             raise RuntimeError("tz_decoder_forward refused its shapes")
 

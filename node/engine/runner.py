@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from cache.adapters import Snapshot
 from cache.arena import Borrowed, Scope, SealCost, SealedEntryError, StateArena
+from cache.opening import Opening
 from cache.prefix_cache import PrefixCache, StoreResult, belongs_to
 from cache.radix_tree import common_prefix_length
 from cache.snapshot_policy import SnapshotPolicy
@@ -173,24 +174,27 @@ class Runner:
         return self.policy.prompt_positions(start, len(prompt), boundaries, branch=matched if matched > start else 0)
 
     def _restore(self, scope: Scope, prompt: list[int], capacity: int, lane: int,
-                 donor: tuple[Running, int] | None = None) -> tuple[DynamicCache, int, int, list[torch.Tensor]]:
+                 donor: tuple[Running, int] | None = None
+                 ) -> tuple[DynamicCache, int, int, list[torch.Tensor], Opening | None]:
         """A working cache in `lane` resumed at the deepest resume point; (cache, its length, tokens matched,
-        state opened outside the lane's buffers). Rows that `donor` (a running request of the scope whose
-        prompt agrees with `prompt` for `donor[1]` tokens) holds are copied from it rather than opened."""
+        state opened outside the lane's buffers, sealed rows still opening). Rows that `donor` (a running
+        request of the scope whose prompt agrees with `prompt` for `donor[1]` tokens) holds are copied from it
+        rather than opened."""
         state = self.loaded.state
         hot = self._hot[1:] if self._hot is not None and self._hot[0] == lane else None
         if hot is not None:
             self._hot = None  # the lane's buffers are about to be overwritten
         if state is None:
-            return DynamicCache(config=self.loaded.model.config), 0, 0, []
+            return DynamicCache(config=self.loaded.model.config), 0, 0, [], None
         if self.prefix_cache is None:  # reuse off: still the working cache, which the CPU decoder writes in place
-            return state.new_cache(capacity, lane=lane)[0], 0, 0, []
+            return state.new_cache(capacity, lane=lane)[0], 0, 0, [], None
         assert self.arena is not None
         self.arena.own_borrowed()  # no-op after `settle`; the new working cache overwrites the buffers
         # At least one prompt token is always computed: its logits choose the first output token.
         for _ in range(2):
             lease = self.prefix_cache.acquire(scope, prompt, limit=len(prompt) - 1,
                                               anywhere=self.resumes_anywhere)
+            opening: Opening | None = None
             try:
                 # The same scope's last request left its state in this lane's buffers: the part of the lease
                 # it covers needs no copy.
@@ -200,19 +204,22 @@ class Runner:
                 if donor is not None and held > adopted:
                     # Another request of this caller holds these rows in plaintext: a copy, not an opening.
                     adopted = self._copy_rows(donor[0], cache, adopted, held, lane)
-                self.arena.restore(state, cache, lease.spans, skip=adopted, snapshot=lease.snapshot,
-                                   position=lease.length)
-                return cache, lease.length, lease.matched, self._opened(lane)
+                opening = self.arena.restore(state, cache, lease.spans, skip=adopted, snapshot=lease.snapshot,
+                                             position=lease.length, later=True)
+                if opening is not None:
+                    opening.lease = lease  # released once its rows are open
+                return cache, lease.length, lease.matched, self._opened(lane), opening
             except SealedEntryError as exc:
                 # Altered, moved or opened under the wrong scope: dropped and counted; this request recomputes.
-                failed = exc.handles
+                failed, opening = exc.handles, None
             finally:
-                self.prefix_cache.release(lease)
+                if opening is None:
+                    self.prefix_cache.release(lease)
             for tensor in self._opened(lane):
                 tensor.zero_()
             self.prefix_cache.discard(scope, failed)
             hot = None
-        return state.new_cache(capacity, lane=lane)[0], 0, 0, []
+        return state.new_cache(capacity, lane=lane)[0], 0, 0, [], None
 
     def _opened(self, lane: int) -> list[torch.Tensor]:
         """Count the rows an opening wrote in `lane`'s buffers as written; the state it opened elsewhere."""
@@ -296,8 +303,8 @@ class Runner:
         started = time.perf_counter()
         params, prompt = request.params, request.prompt
         donor = self._donor(request)
-        cache, restored, matched, scratch = self._restore(request.scope, prompt, len(prompt) + params.max_tokens,
-                                                          lane, donor)
+        cache, restored, matched, scratch, opening = self._restore(
+            request.scope, prompt, len(prompt) + params.max_tokens, lane, donor)
         snapshot_at = self._snapshot_plan(prompt, request.boundaries, restored, matched)
         stops = sorted(set(snapshot_at) | set(range(restored + self.prefill_chunk, len(prompt), self.prefill_chunk))
                        | {len(prompt)})
@@ -305,7 +312,7 @@ class Runner:
                        started=started, cache=cache, restored=restored, matched=matched,
                        stops=[stop for stop in stops if stop > restored], wanted=frozenset(snapshot_at),
                        sampler=Sampler(params), detok=Detokenizer(self.loaded.tokenizer, params.stop),
-                       scratch=scratch, position=restored)
+                       scratch=scratch, position=restored, opening=opening)
         if donor is not None and donor[1] >= restored + FOLLOW_MIN:
             seq.donor = donor  # it computes more of this prompt than was stored: `follow` copies it
         self._live[lane] = seq
@@ -318,7 +325,7 @@ class Runner:
         reuse off or retention none)."""
         if self.prefix_cache is None or not request.retain:
             return None
-        return best_donor(request, self._live.values())
+        return best_donor(request, [seq for seq in self._live.values() if seq.opening is None])
 
     @torch.inference_mode()
     def follow(self, seq: Running) -> bool:
@@ -332,6 +339,8 @@ class Runner:
         if self._live.get(donor.lane) is not donor:  # it ended
             seq.donor = None
             return False
+        if donor.opening is not None:
+            return True  # it restarted, and its rows are still opening
         end, snapshot, state = min(common, donor.position), None, self.loaded.state
         assert state is not None
         if state.needs_snapshots:
@@ -360,6 +369,8 @@ class Runner:
         """Run the next chunk of `seq`'s prompt; after the last, choose its first token."""
         stop = seq.stops.pop(0)
         seq.prediction = self.loaded.forward(seq.request.prompt[seq.position:stop], seq.position, seq.cache)
+        if not self._opened_all(seq, restart=True):
+            return
         seq.position = stop
         if stop in seq.wanted and self.loaded.state is not None:
             seq.snapshots[stop] = self.loaded.state.snapshot(seq.cache)
@@ -415,6 +426,8 @@ class Runner:
     def release(self, seq: Running) -> None:
         """`seq` leaves its lane (ended, or failed: then nothing of it is stored): the state it opened elsewhere
         is zeroed, the rows it wrote are counted."""
+        if not self._opened_all(seq, restart=False):
+            seq.discard, seq.restored = True, 0  # its rows did not open: nothing of it is stored or billed read
         self._live.pop(seq.lane, None)
         seq.donor = None
         self._kinship.leave(seq.lane)
@@ -423,6 +436,33 @@ class Runner:
         seq.scratch.clear()
         written = seq.position + len(seq.output)
         self._dirty[seq.lane] = max(self._dirty.get(seq.lane, 0), written)
+
+    def _opened_all(self, seq: Running, restart: bool) -> bool:
+        """Finish the opening of `seq`'s sealed rows (its first chunk has read them as they opened) and release
+        their lease. False when an entry failed to open: it is dropped and counted, and with `restart` the
+        request starts over in its lane without it, as after a failed restore."""
+        opening, seq.opening = seq.opening, None
+        if opening is None:
+            return True
+        try:
+            opening.finish()
+            return True
+        except SealedEntryError as exc:
+            failed = exc.handles
+        finally:
+            assert self.prefix_cache is not None
+            self.prefix_cache.release(opening.lease)
+        for tensor in seq.scratch:
+            tensor.zero_()
+        self.prefix_cache.discard(seq.request.scope, failed)
+        if restart:
+            del self._live[seq.lane]
+            again = self.start(seq.request, seq.emit, seq.cancelled, seq.queue_wait_s, seq.lane)
+            for name in ("cache", "restored", "matched", "stops", "wanted", "scratch", "position", "opening",
+                         "donor", "snapshots", "prediction"):
+                setattr(seq, name, getattr(again, name))
+            self._live[seq.lane] = seq
+        return False
 
     def _stores_reply(self, seq: Running) -> bool:
         """Whether `finish` stores `seq`'s state with its last sampled token, which has not run yet."""

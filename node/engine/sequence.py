@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from cache.adapters import Snapshot
 from cache.arena import Scope
+from cache.opening import Opening
 from node.engine.detokenizer import Detokenizer
 from node.engine.prediction import Prediction
 from node.engine.sampling import Sampler, SamplingParams
@@ -97,6 +98,9 @@ class Running:
     """Its caller went while it ran: nothing of it is stored."""
     fed: bool = False
     """Its last sampled token has run (`Runner.feed_last`): `finish` stores the state as it is."""
+    opening: Opening | None = None
+    """Sealed rows of its restore still opening (`cache/opening.py`): its first chunk's forward reads them as
+    they open, and `Runner.prefill` finishes them after it."""
     donor: tuple[Running, int] | None = None
     """(request, n): a running request of the same caller whose prompt agrees with this one's for n tokens, and
     which computes them ahead of this one; this one copies its rows instead of computing them (`Runner.follow`)."""

@@ -805,9 +805,12 @@ struct TzModel {
 // of the positions. work holds T * (2 hidden + (heads + 2 kv_heads) head_dim + heads head_dim + 3 intermediate)
 // floats. The last layer runs attention and
 // MLP for the last token only (only it reaches the logits), and not at all unless `logits`; then the last
-// token's final normed hidden state goes to last [hidden]. Returns 0, or -1 for a shape the kernels do not take.
+// token's final normed hidden state goes to last [hidden]. `ready`, unless null, is called with a layer's index
+// before its attention first reads the layer's stored rows (which may still be arriving: a sealed hit's rows open
+// while the layers before compute). Returns 0, or -1 for a shape the kernels do not take.
 int tz_decoder_forward(const TzModel* model, const TzLayer* layers, int64_t n_layers, const int64_t* ids, int64_t T,
-                       int64_t start, const float* cos, const float* sin, float* work, int logits, float* last) {
+                       int64_t start, const float* cos, const float* sin, float* work, int logits, float* last,
+                       void (*ready)(int64_t)) {
   const int64_t H = model->hidden, I = model->intermediate, D = model->head_dim;
   const int64_t q_width = model->heads * D, kv_width = model->kv_heads * D, qkv_width = q_width + 2 * kv_width;
   float* hidden = work;
@@ -848,6 +851,7 @@ int tz_decoder_forward(const TzModel* model, const TzLayer* layers, int64_t n_la
     // In the last layer only the last token goes on.
     const int64_t rows = final ? 1 : T, first = T - rows;
     float* x = hidden + first * H;
+    if (ready) ready(index);
     if (tz_attention(qkv + first * qkv_width, rows, model->heads, model->kv_heads, D, qkv_width, layer.segments,
                      layer.seg_keys, layer.seg_values, layer.seg_head_stride, layer.seg_len, start + first,
                      model->scale, attended, q_width, layer.output.packed) != 0)

@@ -93,6 +93,31 @@ def test_an_entry_that_fails_to_open_is_dropped_counted_and_recomputed(loaded: L
     assert got == run(plain, ALICE, follow)[0]
 
 
+def test_a_sealed_hits_rows_open_layer_by_layer_while_its_first_chunk_runs(loaded: LoadedModel) -> None:
+    sealed, plain = sealed_runner(loaded), Runner(loaded, None)
+    history = tokens(10, 150)
+    first, _, _ = run(sealed, ALICE, history, boundaries=(60,))
+    run(sealed, BOB, tokens(11, 70))
+    follow = history + first + tokens(12, 20)
+    seq = sealed.start(GenerationRequest(ALICE, follow, SamplingParams(8, 0.0)), lambda _: None, lambda: False)
+    assert seq.restored > 0 and seq.opening is not None  # start returned with rows still opening
+    order: list[int] = []
+    for index, layer in enumerate(seq.cache.layers):
+        hook = getattr(layer, "opening", None)
+        if hook is not None:
+            layer.opening = lambda hook=hook, index=index: (order.append(index), hook())
+    hooked = len(order) + sum(getattr(layer, "opening", None) is not None for layer in seq.cache.layers)
+    assert hooked > 0
+    sealed.prefill(seq)
+    assert order == sorted(order) and len(order) == hooked  # each layer waited for its own rows, in order
+    assert seq.opening is None and seq.restored > 0
+    while not seq.done:
+        sealed.prefill(seq) if seq.prefilling else sealed.decode([seq])
+    result = sealed.finish(seq)
+    sealed.settle()
+    assert result.output_ids == run(plain, ALICE, follow)[0]
+
+
 def test_retention_none_stores_nothing_and_leaves_no_working_state(loaded: LoadedModel) -> None:
     sealed = sealed_runner(loaded)
     prompt = tokens(7, 100)
