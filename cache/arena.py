@@ -445,6 +445,10 @@ class StateArena:
         outs, copies, index = [], [], 0
         pieces = iter(_tensors(sealed.skeleton))
         blob = memoryview(sealed.blob.data)
+        # A block that `take` cuts opens in place past it, over rows the next span or the new tokens write:
+        # such a span opens now, before anything else writes there.
+        if any(first < take < end for tensor in _tensors(sealed.skeleton)[:1] for _, first, end in _blocks(tensor)):
+            opening = None
         for layer_index, piece in enumerate(sealed.skeleton):
             if piece is None:
                 continue

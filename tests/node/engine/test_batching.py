@@ -183,7 +183,8 @@ async def test_cancelling_a_request_while_its_prompt_prefills_stops_it(small_mod
         # What it computed before it stopped is kept, and resumes exactly.
         again = await outcome(scheduler.submit("alice", request))
         assert 0 < again.cached_read_tokens < 1500
-        assert again.output_ids == Runner(loaded, None).generate(request, lambda _: None, lambda: False).output_ids
+    # Once the scheduler has stopped: its worker shares the model's native scratch, which it zeroes when idle.
+    assert again.output_ids == Runner(loaded, None).generate(request, lambda _: None, lambda: False).output_ids
 
 
 async def test_requests_that_end_in_the_same_step_keep_their_state(small_model_dir: Path) -> None:
