@@ -416,7 +416,8 @@ class StateArena:
                     if entry.span.plain is not None:
                         adapter.restore_span(cache, entry.span.plain, start, take)
                     else:
-                        self._open_span(adapter, cache, handle, entry, start, take, opening)
+                        self._open_span(adapter, cache, handle, entry, start, take, opening,
+                                        last=handle == spans[-1][0])
                 offset += take
             if snapshot is not None:
                 entry = self._entries[snapshot]
@@ -433,7 +434,7 @@ class StateArena:
         self.open_failures += 1
 
     def _open_span(self, adapter: ModelStateAdapter, cache: Any, handle: SpanHandle, entry: _Entry, start: int,
-                   take: int, opening: Opening | None = None) -> None:
+                   take: int, opening: Opening | None = None, last: bool = True) -> None:
         """Open tokens `[start, take)` of a sealed span into the working cache: whole blocks straight into the
         layers' buffers, a block cut by `start` or `take` through a scratch block. With `opening`, the messages
         of pooled layers are handed to the sealing threads layer by layer and left opening there."""
@@ -445,9 +446,11 @@ class StateArena:
         outs, copies, index = [], [], 0
         pieces = iter(_tensors(sealed.skeleton))
         blob = memoryview(sealed.blob.data)
-        # A block that `take` cuts opens in place past it, over rows the next span or the new tokens write:
-        # such a span opens now, before anything else writes there.
-        if any(first < take < end for tensor in _tensors(sealed.skeleton)[:1] for _, first, end in _blocks(tensor)):
+        # A block that `take` cuts opens in place past it, over rows the next span or the new tokens write. The
+        # new tokens' writes wait for it (`GrowableKVLayer.opening`); a next span's would not: a cut span that is
+        # not the last opens now.
+        if not last and any(first < take < end for tensor in _tensors(sealed.skeleton)[:1]
+                            for _, first, end in _blocks(tensor)):
             opening = None
         for layer_index, piece in enumerate(sealed.skeleton):
             if piece is None:

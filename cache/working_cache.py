@@ -147,6 +147,7 @@ class GrowableKVLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.wait_rows()  # rows still opening may reach past the stored ones, where these are written
         self.materialize()
         self._write(key_states, value_states)
         assert self.keys is not None and self.values is not None

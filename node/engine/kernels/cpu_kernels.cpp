@@ -806,8 +806,8 @@ struct TzModel {
 // floats. The last layer runs attention and
 // MLP for the last token only (only it reaches the logits), and not at all unless `logits`; then the last
 // token's final normed hidden state goes to last [hidden]. `ready`, unless null, is called with a layer's index
-// before its attention first reads the layer's stored rows (which may still be arriving: a sealed hit's rows open
-// while the layers before compute). Returns 0, or -1 for a shape the kernels do not take.
+// before the layer writes its new rows or reads its stored ones (which may still be arriving: a sealed hit's rows
+// open while the layers before compute). Returns 0, or -1 for a shape the kernels do not take.
 int tz_decoder_forward(const TzModel* model, const TzLayer* layers, int64_t n_layers, const int64_t* ids, int64_t T,
                        int64_t start, const float* cos, const float* sin, float* work, int logits, float* last,
                        void (*ready)(int64_t)) {
@@ -841,6 +841,7 @@ int tz_decoder_forward(const TzModel* model, const TzLayer* layers, int64_t n_la
       tz_rope(qkv + q_width, T, model->kv_heads, D, qkv_width, cos, sin);
       if (logits) tz_rope(qkv + (T - 1) * qkv_width, 1, model->heads, D, qkv_width, cos + (T - 1) * D, sin + (T - 1) * D);
     }
+    if (ready) ready(index);  // before the new rows are written: rows still opening may reach past the stored ones
     for (int64_t g = 0; g < model->kv_heads; g++)
       for (int64_t t = 0; t < T; t++) {
         memcpy(layer.new_keys + g * layer.new_head_stride + t * D, qkv + t * qkv_width + q_width + g * D, D * 4);
@@ -851,7 +852,6 @@ int tz_decoder_forward(const TzModel* model, const TzLayer* layers, int64_t n_la
     // In the last layer only the last token goes on.
     const int64_t rows = final ? 1 : T, first = T - rows;
     float* x = hidden + first * H;
-    if (ready) ready(index);
     if (tz_attention(qkv + first * qkv_width, rows, model->heads, model->kv_heads, D, qkv_width, layer.segments,
                      layer.seg_keys, layer.seg_values, layer.seg_head_stride, layer.seg_len, start + first,
                      model->scale, attended, q_width, layer.output.packed) != 0)

@@ -118,7 +118,7 @@ def test_a_sealed_hits_rows_open_layer_by_layer_while_its_first_chunk_runs(loade
     assert result.output_ids == run(plain, ALICE, follow)[0]
 
 
-def test_a_sealed_span_cut_short_by_the_prompt_opens_before_its_first_chunk_writes_past_the_cut(
+def test_a_sealed_span_cut_short_by_the_prompt_opens_past_the_cut_before_its_first_chunk_writes_there(
         loaded: LoadedModel) -> None:
     sealed, plain = sealed_runner(loaded), Runner(loaded, None)
     history = tokens(13, 150)
@@ -127,10 +127,10 @@ def test_a_sealed_span_cut_short_by_the_prompt_opens_before_its_first_chunk_writ
     branch = history[:100] + tokens(15, 30)  # diverges inside alice's sealed span
     seq = sealed.start(GenerationRequest(ALICE, branch, SamplingParams(8, 0.0), (60,)), lambda _: None,
                        lambda: False)
-    # A dense model resumes at the branch point, inside the span: its last block, cut there, opened in place
-    # past it, over the rows the chunk writes next, and so before start returned. A hybrid resumes at its
-    # snapshot (60), where a span ends: nothing is cut, and its rows still open as the chunk runs.
-    assert seq.restored in (60, 100) and (seq.opening is None) == (seq.restored == 100)
+    # A dense model resumes at the branch point, inside the span: its last block, cut there, opens in place past
+    # it, over the rows the chunk writes next, which wait for it layer by layer. A hybrid resumes at its snapshot
+    # (60), where a span ends: nothing is cut.
+    assert seq.restored in (60, 100) and seq.opening is not None
     while not seq.done:
         sealed.prefill(seq) if seq.prefilling else sealed.decode([seq])
     result = sealed.finish(seq)
