@@ -19,8 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from cache.adapters import RecurrentPiece
-from cache.arena import Scope, new_prefix_cache
-from cache.budget import CacheBudget
+from cache.arena import Scope
 from cache.working_cache import GrowableKVLayer
 from node.engine.batch_forward import BatchedDecode, Shared, batch_blocker, batchable, equal_rows
 from node.engine.cpu_decoder import SCREENED_ROWS, RowPrediction
@@ -30,6 +29,7 @@ from node.engine.runner import GenerationRequest, GenerationResult, Runner
 from node.engine.sampling import SamplingParams
 from node.engine.scheduler import Failed, Finished, Job, Scheduler
 from node.engine.synthetic import init_model
+from tests.node.engine.runners import sealed_runner
 
 BATCHED = ["llama", "mistral", "gemma2", "qwen2-moe", "granite-moe-hybrid", "falcon-h1"]
 RECURRENT = ["mamba", "mamba2", "jamba", "bamba", "falcon-h1", "granite-moe-hybrid", "lfm2", "qwen3-next"]
@@ -42,8 +42,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def reuse_runner(loaded: LoadedModel, prefill_chunk: int = 64) -> Runner:
-    cache = new_prefix_cache(CacheBudget(1 << 30, 1 << 30), sealed=True)
-    return Runner(loaded, cache, prefill_chunk=prefill_chunk)
+    return sealed_runner(loaded, prefill_chunk=prefill_chunk)
 
 
 async def outcome(job: Job) -> GenerationResult:

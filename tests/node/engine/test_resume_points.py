@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache.arena import Scope, new_prefix_cache
-from cache.budget import CacheBudget
+from cache.arena import Scope
 from cache.snapshot_policy import SnapshotPolicy
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, Runner
 from node.engine.sampling import SamplingParams
 from node.engine.synthetic import init_model
+from tests.node.engine.runners import sealed_runner
 from tests.numeric import relative_error
 
 TOLERANCE = 1e-4  # of the largest |logit| (tests/numeric.py); float32 logits are of order 1 to 10
@@ -37,7 +37,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def runner(loaded: LoadedModel, interval: int = 0) -> Runner:
-    return Runner(loaded, new_prefix_cache(CacheBudget(1 << 32, 1 << 32)), prefill_chunk=48,
+    return sealed_runner(loaded, 1 << 32, prefill_chunk=48,
                   policy=SnapshotPolicy(interval=interval))
 
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from cache.arena import Scope, new_prefix_cache
-from cache.budget import CacheBudget
+from cache.arena import Scope
 from node.engine.cpu_kernels import NativeLayer
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, Runner
 from node.engine.sampling import SamplingParams
+from tests.node.engine.runners import sealed_runner
 from tests.numeric import relative_error
 
 TOLERANCE = 1e-4  # of the largest |logit| (tests/numeric.py); float32 logits are of order 1 to 10
@@ -38,7 +38,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def fresh_runner(loaded: LoadedModel) -> Runner:
-    return Runner(loaded, new_prefix_cache(CacheBudget(1 << 30, 1 << 30)), prefill_chunk=64)
+    return sealed_runner(loaded, prefill_chunk=64)
 
 
 def test_resume_at_the_end_of_a_cached_prompt(loaded: LoadedModel) -> None:
@@ -165,7 +165,7 @@ def test_cached_writes_count_the_whole_new_span_when_snapshots_cut_it(tmp_path: 
     from node.engine.synthetic import init_model
 
     hybrid = load_model("h", init_model("bamba", tmp_path / "h", size="small"))
-    run = Runner(hybrid, new_prefix_cache(CacheBudget(1 << 30, 1 << 30)))
+    run = sealed_runner(hybrid)
     prompt = tokens(15, 120)
     first = run.generate(GenerationRequest(Scope("c", "h"), prompt, SamplingParams(4, 0.0), boundaries=(40, 90)),
                          emit=lambda _: None, cancelled=lambda: False)

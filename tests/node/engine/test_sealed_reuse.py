@@ -14,6 +14,7 @@ from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, Runner
 from node.engine.sampling import SamplingParams
 from node.engine.synthetic import init_model
+from tests.node.engine.runners import sealed_runner
 
 ALICE, BOB = Scope("alice", "m"), Scope("bob", "m")
 
@@ -29,13 +30,6 @@ def loaded(request: pytest.FixtureRequest, small_model_dir: Path, tmp_path_facto
 def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(100, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
-
-KEEP_ALL = SealCost(0.0, 1.0, 1, 1)
-"""Every entry worth sealing, whatever this machine measures at load: these tests open sealed state."""
-
-
-def sealed_runner(loaded: LoadedModel, seal_cost: SealCost | None = KEEP_ALL) -> Runner:
-    return Runner(loaded, new_prefix_cache(CacheBudget(1 << 30, 1 << 30)), prefill_chunk=64, seal_cost=seal_cost)
 
 
 def run(runner: Runner, scope: Scope, prompt: list[int], retain: bool = True, boundaries: tuple[int, ...] = ()
@@ -53,7 +47,7 @@ def arena_of(runner: Runner) -> StateArena:
 
 
 def test_a_sealed_hit_equals_reuse_off(loaded: LoadedModel) -> None:
-    sealed, plain = sealed_runner(loaded), Runner(loaded, None)
+    sealed, plain = sealed_runner(loaded, prefill_chunk=64), Runner(loaded, None)
     history = tokens(1, 150)
     first, _, written = run(sealed, ALICE, history, boundaries=(60,))
     assert written == 150
@@ -68,7 +62,7 @@ def test_a_sealed_hit_equals_reuse_off(loaded: LoadedModel) -> None:
 
 @pytest.mark.parametrize("tamper", ["flipped", "moved", "other scope"])
 def test_an_entry_that_fails_to_open_is_dropped_counted_and_recomputed(loaded: LoadedModel, tamper: str) -> None:
-    sealed, plain = sealed_runner(loaded), Runner(loaded, None)
+    sealed, plain = sealed_runner(loaded, prefill_chunk=64), Runner(loaded, None)
     history = tokens(4, 120)
     run(sealed, ALICE, history, boundaries=(60,))
     run(sealed, ALICE, history[:40] + tokens(9, 60))  # a second branch: two sealed spans of alice's to swap
@@ -94,7 +88,7 @@ def test_an_entry_that_fails_to_open_is_dropped_counted_and_recomputed(loaded: L
 
 
 def test_a_sealed_hits_rows_open_layer_by_layer_while_its_first_chunk_runs(loaded: LoadedModel) -> None:
-    sealed, plain = sealed_runner(loaded), Runner(loaded, None)
+    sealed, plain = sealed_runner(loaded, prefill_chunk=64), Runner(loaded, None)
     history = tokens(10, 150)
     first, _, _ = run(sealed, ALICE, history, boundaries=(60,))
     run(sealed, BOB, tokens(11, 70))
@@ -120,7 +114,7 @@ def test_a_sealed_hits_rows_open_layer_by_layer_while_its_first_chunk_runs(loade
 
 def test_a_sealed_span_cut_short_by_the_prompt_opens_past_the_cut_before_its_first_chunk_writes_there(
         loaded: LoadedModel) -> None:
-    sealed, plain = sealed_runner(loaded), Runner(loaded, None)
+    sealed, plain = sealed_runner(loaded, prefill_chunk=64), Runner(loaded, None)
     history = tokens(13, 150)
     run(sealed, ALICE, history, boundaries=(60,))
     run(sealed, BOB, tokens(14, 70))
@@ -139,7 +133,7 @@ def test_a_sealed_span_cut_short_by_the_prompt_opens_past_the_cut_before_its_fir
 
 
 def test_retention_none_stores_nothing_and_leaves_no_working_state(loaded: LoadedModel) -> None:
-    sealed = sealed_runner(loaded)
+    sealed = sealed_runner(loaded, prefill_chunk=64)
     prompt = tokens(7, 100)
     _, _, written = run(sealed, ALICE, prompt, retain=False)
     arena = arena_of(sealed)
@@ -152,7 +146,7 @@ def test_retention_none_stores_nothing_and_leaves_no_working_state(loaded: Loade
 
 def test_a_wipe_of_an_idle_lane_gives_way_to_waiting_work_and_a_later_settle_finishes_it(
         loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    sealed = sealed_runner(loaded)
+    sealed = sealed_runner(loaded, prefill_chunk=64)
     sealed.generate(GenerationRequest(ALICE, tokens(9, 300), SamplingParams(8, 0.0), (), False),
                     emit=lambda _: None, cancelled=lambda: False)
     assert loaded.state is not None
@@ -175,7 +169,7 @@ def test_a_wipe_of_an_idle_lane_gives_way_to_waiting_work_and_a_later_settle_fin
 
 
 def test_a_removed_caller_leaves_zeros_and_no_key(loaded: LoadedModel) -> None:
-    sealed = sealed_runner(loaded)
+    sealed = sealed_runner(loaded, prefill_chunk=64)
     run(sealed, ALICE, tokens(8, 90))
     arena = arena_of(sealed)
     blobs = [entry.span.sealed.blob.data for entry in arena._entries.values() if entry.span.sealed is not None]
@@ -190,7 +184,7 @@ def test_a_removed_caller_leaves_zeros_and_no_key(loaded: LoadedModel) -> None:
 
 
 def test_the_cost_of_sealing_is_measured_at_load_and_these_models_keep_their_state(loaded: LoadedModel) -> None:
-    cost = sealed_runner(loaded, seal_cost=None).seal_cost
+    cost = sealed_runner(loaded, prefill_chunk=64, seal_cost=None).seal_cost
     assert cost is not None and cost.sample_tokens == 256 and cost.sample_bytes > 0
     assert cost.open_s_per_byte > 0 and cost.recompute_s_per_token > 0
     assert cost.model_worth_sealing  # a CPU computes a token slower than it opens the token's state
