@@ -437,13 +437,16 @@ class StateArena:
                    take: int, opening: Opening | None = None, last: bool = True) -> None:
         """Open tokens `[start, take)` of a sealed span into the working cache: whole blocks straight into the
         layers' buffers, a block cut by `start` or `take` through a scratch block. With `opening`, the messages
-        of pooled layers are handed to the sealing threads layer by layer and left opening there."""
+        of pooled layers are handed to the sealing threads in layer order and left opening there, once all are
+        built: threads woken while the rest are still being built take the interpreter lock from the building
+        back and forth, which doubled the time before the forward starts."""
         assert entry.span.sealed is not None and entry.span.origin is not None and self.sealer is not None
         sealed = entry.span.sealed
         lo = entry.span.window[0]
         start, take = lo + start, lo + take  # rows of the sealed tensors (a split span is a window on them)
         offsets = sealed.offsets
         outs, copies, index = [], [], 0
+        later: list[tuple[int, list[tuple[Any, ...]], list[Any]]] = []
         pieces = iter(_tensors(sealed.skeleton))
         blob = memoryview(sealed.blob.data)
         # A block that `take` cuts opens in place past it, over rows the next span or the new tokens write. The
@@ -475,10 +478,13 @@ class StateArena:
                         outs.append((index, sealed.nonces[index], blob[offsets[index]:offsets[index + 1]], out))
                     index += 1
             if opening is not None and isinstance(cache.layers[layer_index], GrowableKVLayer):
-                futures = self.sealer.open_later(self.sealer.open_jobs_at(entry.scope, entry.span.origin, outs))
-                opening.add(layer_index, handle, futures, functools.partial(_place, copies, start, take))
+                later.append((layer_index, self.sealer.open_jobs_at(entry.scope, entry.span.origin, outs), copies))
                 cache.layers[layer_index].opening = functools.partial(opening.wait, layer_index)
                 outs, copies = [], []
+        for layer_index, layer_jobs, layer_copies in later:
+            assert opening is not None
+            opening.add(layer_index, handle, self.sealer.open_later(layer_jobs),
+                        functools.partial(_place, layer_copies, start, take))
         jobs = self.sealer.open_jobs_at(entry.scope, entry.span.origin, outs)
         try:
             self.sealer.run_open(jobs)
