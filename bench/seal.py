@@ -36,10 +36,17 @@ class CipherRow:
     one_core_gib_s: float
     all_cores_gib_s: float
     cores: int
+    speedup: float
+    """The median over runs of one thread's time over all cores' time right after it: a slow spell of the
+    machine, which lasts seconds on a shared VM, slows both, where the ratio of two medians taken apart mixes
+    spells."""
 
-    @property
-    def speedup(self) -> float:
-        return self.all_cores_gib_s / self.one_core_gib_s
+
+def cipher_row(operation: str, size_gib: float, one_core_s: list[float], all_cores_s: list[float],
+               cores: int) -> CipherRow:
+    """One operation's row from its runs' seconds on one thread and on all cores, run by run."""
+    return CipherRow(operation, size_gib / statistics.median(one_core_s), size_gib / statistics.median(all_cores_s),
+                     cores, statistics.median(one / every for one, every in zip(one_core_s, all_cores_s, strict=True)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +121,7 @@ def cipher_rates(total_mib: int, runs: int) -> list[CipherRow]:
                 raise BenchError("opened state differs from what was sealed")
     torch.set_num_threads(torch_threads)
     size = plain.numel() * plain.element_size() / GIB
-    rates = {key: size / statistics.median(seconds[1:]) for key, seconds in times.items()}
-    return [CipherRow(op, rates[(op, 1)], rates[(op, cores)], cores) for op in operations]
+    return [cipher_row(op, size, times[(op, 1)][1:], times[(op, cores)][1:], cores) for op in operations]
 
 
 async def _sealed(client: Client, timeout_s: float = 10.0) -> None:
@@ -213,7 +219,7 @@ def run_seal_bench(args: argparse.Namespace) -> int:
     for text, met in checks:
         print(f"  [{'met' if met else 'NOT MET'}] {text}")
     write_json(Path(args.out), {
-        "ciphers": [{**asdict(c), "speedup": c.speedup} for c in ciphers],
+        "ciphers": [asdict(c) for c in ciphers],
         "rows": [{**asdict(r), "miss_over_sealed": r.miss_over_sealed,
                   "sealed_extra_over_open": r.sealed_extra_over_open} for r in rows],
         "goals": [{"goal": text, "met": met} for text, met in checks], "samples": samples})
