@@ -81,14 +81,6 @@ def _place(copies: list[tuple[torch.Tensor, torch.Tensor, int, int]], start: int
         scratch.zero_()
 
 
-def _settled(opening: Opening) -> None:
-    """Wait for every layer of `opening`, whether or not it opens."""
-    try:
-        opening.finish()
-    except SealedEntryError:
-        pass
-
-
 def _map(payload: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """The same structure with every tensor replaced by `fn(tensor)`, in a fixed walk order."""
     if payload is None:
@@ -426,7 +418,7 @@ class StateArena:
                 adapter.restore_snapshot(cache, self._plain(snapshot, entry, "snapshot", entry.snapshot), position)
         except SealedEntryError:
             if opening is not None:
-                _settled(opening)  # no thread may write into the cache once it is given up
+                opening.settle()  # no thread may write into the cache once it is given up
             raise
         return opening if opening is not None and opening.layers else None
 

@@ -58,6 +58,13 @@ class Opening:
                         self._on_failure()
             after()
 
+    def settle(self) -> None:
+        """Wait for every layer, whether or not it opens: afterwards no thread writes into the cache."""
+        try:
+            self.finish()
+        except SealedEntryError:
+            pass
+
     def finish(self) -> None:
         """Wait for every layer; raise SealedEntryError naming the entries that failed to open (the cache's rows
         from them are then unusable)."""
