@@ -430,8 +430,7 @@ class StateArena:
         """Open tokens `[start, take)` of a sealed span into the working cache: whole blocks straight into the
         layers' buffers, a block cut by `start` or `take` through a scratch block. With `opening`, the messages
         of pooled layers are handed to the sealing threads in layer order and left opening there, once all are
-        built: threads woken while the rest are still being built take the interpreter lock from the building
-        back and forth, which doubled the time before the forward starts."""
+        built: threads woken while the rest are still being built take the interpreter lock from it back and forth."""
         assert entry.span.sealed is not None and entry.span.origin is not None and self.sealer is not None
         sealed = entry.span.sealed
         lo = entry.span.window[0]
