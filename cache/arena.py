@@ -437,7 +437,7 @@ class StateArena:
         start, take = lo + start, lo + take  # rows of the sealed tensors (a split span is a window on them)
         offsets = sealed.offsets
         outs, copies, index = [], [], 0
-        later: list[tuple[int, list[tuple[Any, ...]], list[Any]]] = []
+        later: list[tuple[int, list[tuple[Any, ...]], Callable[[], None]]] = []
         pieces = iter(_tensors(sealed.skeleton))
         blob = memoryview(sealed.blob.data)
         # A block that `take` cuts opens in place past it, over rows the next span or the new tokens write. The
@@ -469,13 +469,13 @@ class StateArena:
                         outs.append((index, sealed.nonces[index], blob[offsets[index]:offsets[index + 1]], out))
                     index += 1
             if opening is not None and isinstance(cache.layers[layer_index], GrowableKVLayer):
-                later.append((layer_index, self.sealer.open_jobs_at(entry.scope, entry.span.origin, outs), copies))
+                later.append((layer_index, self.sealer.open_jobs_at(entry.scope, entry.span.origin, outs),
+                              functools.partial(_place, copies, start, take)))
                 cache.layers[layer_index].opening = functools.partial(opening.wait, layer_index)
                 outs, copies = [], []
-        for layer_index, layer_jobs, layer_copies in later:
+        for layer_index, layer_jobs, after in later:
             assert opening is not None
-            opening.add(layer_index, handle, self.sealer.open_later(layer_jobs),
-                        functools.partial(_place, layer_copies, start, take))
+            opening.add(layer_index, handle, self.sealer.open_later(layer_jobs), after)
         jobs = self.sealer.open_jobs_at(entry.scope, entry.span.origin, outs)
         try:
             self.sealer.run_open(jobs)

@@ -37,8 +37,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def runner(loaded: LoadedModel, interval: int = 0) -> Runner:
-    return sealed_runner(loaded, 1 << 32, prefill_chunk=48,
-                  policy=SnapshotPolicy(interval=interval))
+    return sealed_runner(loaded, 1 << 32, prefill_chunk=48, policy=SnapshotPolicy(interval=interval))
 
 
 def check(loaded: LoadedModel, run: Runner, prompt: list[int], resumed_at: int) -> None:

@@ -4,6 +4,7 @@ fails authentication is dropped and recomputed; retention none and a removed cal
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,6 +33,10 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 
+def sealing_runner(loaded: LoadedModel, **kwargs: Any) -> Runner:
+    return sealed_runner(loaded, prefill_chunk=64, **kwargs)
+
+
 def run(runner: Runner, scope: Scope, prompt: list[int], retain: bool = True, boundaries: tuple[int, ...] = ()
         ) -> tuple[list[int], int, int]:
     """(output ids, cached reads, cached writes); settles after the reply as the scheduler does."""
@@ -47,7 +52,7 @@ def arena_of(runner: Runner) -> StateArena:
 
 
 def test_a_sealed_hit_equals_reuse_off(loaded: LoadedModel) -> None:
-    sealed, plain = sealed_runner(loaded, prefill_chunk=64), Runner(loaded, None)
+    sealed, plain = sealing_runner(loaded), Runner(loaded, None)
     history = tokens(1, 150)
     first, _, written = run(sealed, ALICE, history, boundaries=(60,))
     assert written == 150
@@ -62,7 +67,7 @@ def test_a_sealed_hit_equals_reuse_off(loaded: LoadedModel) -> None:
 
 @pytest.mark.parametrize("tamper", ["flipped", "moved", "other scope"])
 def test_an_entry_that_fails_to_open_is_dropped_counted_and_recomputed(loaded: LoadedModel, tamper: str) -> None:
-    sealed, plain = sealed_runner(loaded, prefill_chunk=64), Runner(loaded, None)
+    sealed, plain = sealing_runner(loaded), Runner(loaded, None)
     history = tokens(4, 120)
     run(sealed, ALICE, history, boundaries=(60,))
     run(sealed, ALICE, history[:40] + tokens(9, 60))  # a second branch: two sealed spans of alice's to swap
@@ -88,7 +93,7 @@ def test_an_entry_that_fails_to_open_is_dropped_counted_and_recomputed(loaded: L
 
 
 def test_a_sealed_hits_rows_open_layer_by_layer_while_its_first_chunk_runs(loaded: LoadedModel) -> None:
-    sealed, plain = sealed_runner(loaded, prefill_chunk=64), Runner(loaded, None)
+    sealed, plain = sealing_runner(loaded), Runner(loaded, None)
     history = tokens(10, 150)
     first, _, _ = run(sealed, ALICE, history, boundaries=(60,))
     run(sealed, BOB, tokens(11, 70))
@@ -114,7 +119,7 @@ def test_a_sealed_hits_rows_open_layer_by_layer_while_its_first_chunk_runs(loade
 
 def test_a_sealed_span_cut_short_by_the_prompt_opens_past_the_cut_before_its_first_chunk_writes_there(
         loaded: LoadedModel) -> None:
-    sealed, plain = sealed_runner(loaded, prefill_chunk=64), Runner(loaded, None)
+    sealed, plain = sealing_runner(loaded), Runner(loaded, None)
     history = tokens(13, 150)
     run(sealed, ALICE, history, boundaries=(60,))
     run(sealed, BOB, tokens(14, 70))
@@ -133,7 +138,7 @@ def test_a_sealed_span_cut_short_by_the_prompt_opens_past_the_cut_before_its_fir
 
 
 def test_retention_none_stores_nothing_and_leaves_no_working_state(loaded: LoadedModel) -> None:
-    sealed = sealed_runner(loaded, prefill_chunk=64)
+    sealed = sealing_runner(loaded)
     prompt = tokens(7, 100)
     _, _, written = run(sealed, ALICE, prompt, retain=False)
     arena = arena_of(sealed)
@@ -146,7 +151,7 @@ def test_retention_none_stores_nothing_and_leaves_no_working_state(loaded: Loade
 
 def test_a_wipe_of_an_idle_lane_gives_way_to_waiting_work_and_a_later_settle_finishes_it(
         loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    sealed = sealed_runner(loaded, prefill_chunk=64)
+    sealed = sealing_runner(loaded)
     sealed.generate(GenerationRequest(ALICE, tokens(9, 300), SamplingParams(8, 0.0), (), False),
                     emit=lambda _: None, cancelled=lambda: False)
     assert loaded.state is not None
@@ -169,7 +174,7 @@ def test_a_wipe_of_an_idle_lane_gives_way_to_waiting_work_and_a_later_settle_fin
 
 
 def test_a_removed_caller_leaves_zeros_and_no_key(loaded: LoadedModel) -> None:
-    sealed = sealed_runner(loaded, prefill_chunk=64)
+    sealed = sealing_runner(loaded)
     run(sealed, ALICE, tokens(8, 90))
     arena = arena_of(sealed)
     blobs = [entry.span.sealed.blob.data for entry in arena._entries.values() if entry.span.sealed is not None]
@@ -184,7 +189,7 @@ def test_a_removed_caller_leaves_zeros_and_no_key(loaded: LoadedModel) -> None:
 
 
 def test_the_cost_of_sealing_is_measured_at_load_and_these_models_keep_their_state(loaded: LoadedModel) -> None:
-    cost = sealed_runner(loaded, prefill_chunk=64, seal_cost=None).seal_cost
+    cost = sealing_runner(loaded, seal_cost=None).seal_cost
     assert cost is not None and cost.sample_tokens == 256 and cost.sample_bytes > 0
     assert cost.open_s_per_byte > 0 and cost.recompute_s_per_token > 0
     assert cost.model_worth_sealing  # a CPU computes a token slower than it opens the token's state
