@@ -32,7 +32,6 @@ def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(100, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-
 def sealing_runner(loaded: LoadedModel, **kwargs: Any) -> Runner:
     return sealed_runner(loaded, prefill_chunk=64, **kwargs)
 
