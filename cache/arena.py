@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from cache.adapters import KVPiece, ModelStateAdapter, RecurrentPiece, Snapshot, SpanState, state_bytes
+from cache.blob_memory import Blob, BlobMemory
 from cache.budget import CacheBudget
 from cache.opening import Opening, SealedEntryError
 from cache.prefix_cache import ColdPass, PrefixCache
@@ -140,16 +141,8 @@ def _bytes(tensor: torch.Tensor) -> Any:
 
 
 @dataclass(slots=True)
-class _Blob:
-    """Ciphertext, shared by the halves of a split sealed span; zeroed when the last of them goes."""
-
-    data: bytearray
-    users: int = 1
-
-
-@dataclass(slots=True)
 class _Sealed:
-    blob: _Blob
+    blob: Blob
     nonces: list[bytes]
     skeleton: Any
     """The payload's structure with meta tensors: shapes and dtypes, no data."""
@@ -213,8 +206,8 @@ def _shred(part: _Part | None) -> None:
         _zero(part.plain)
     if part.sealed is not None:
         part.sealed.blob.users -= 1
-        if not part.sealed.blob.users and part.sealed.blob.data:
-            torch.frombuffer(part.sealed.blob.data, dtype=torch.uint8).zero_()
+        if not part.sealed.blob.users:
+            part.sealed.blob.wipe()
     part.plain, part.sealed = None, None
 
 
@@ -247,6 +240,8 @@ class StateArena:
         length included: they hold state until overwritten or wiped)."""
         self.scratch: list[torch.Tensor] = []
         """Plaintext opened for the current request outside the working buffers; zeroed by `wipe_scratch`."""
+        self.memory = BlobMemory()
+        """Where ciphertext goes: slabs reserved at start (`new_prefix_cache`), else memory of its own."""
 
     def register_model(self, model: str, adapter: ModelStateAdapter, cost: SealCost | None = None) -> None:
         """`cost` None: every entry of the model is worth sealing."""
@@ -538,17 +533,17 @@ class StateArena:
         # One head's rows are contiguous also in a view of the working buffers: sealed where they lie.
         messages = [_bytes(m if m.is_contiguous() else m.contiguous())
                     for t in tensors for m in (_part(t, b) for b in _blocks(t))]
-        blob = bytearray(sum(m.nbytes for m in messages) + TAG_BYTES * len(messages))
+        blob = self.memory.blob(sum(m.nbytes for m in messages) + TAG_BYTES * len(messages))
         nonces: list[bytes] = []
         place = Place(handle, entry.start, entry.end, kind)
         offset = 0
         for first, last in _batches([m.nbytes for m in messages], SEAL_BATCH_BYTES):
             if first and stop():
-                torch.frombuffer(blob, dtype=torch.uint8).zero_()
+                blob.wipe()
                 return False  # the nonces it took are never used again
             batch = messages[first:last]
             end = offset + sum(m.nbytes + TAG_BYTES for m in batch)
-            nonces += self.sealer.seal(entry.scope, place, batch, memoryview(blob)[offset:end], first=first)
+            nonces += self.sealer.seal(entry.scope, place, batch, memoryview(blob.data)[offset:end], first=first)
             offset = end
         skeleton = _map(part.plain, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
         self._add(part, -1)
@@ -556,7 +551,7 @@ class StateArena:
             _zero(part.plain)
         rows = entry.end - entry.start if kind == "span" else 0
         offsets = list(itertools.accumulate([0] + [m.nbytes + TAG_BYTES for m in messages]))
-        part.plain, part.sealed, part.borrowed = None, _Sealed(_Blob(blob), nonces, skeleton, offsets), False
+        part.plain, part.sealed, part.borrowed = None, _Sealed(blob, nonces, skeleton, offsets), False
         part.origin, part.window = place, (0, rows)
         self._add(part, 1)
         return True
@@ -583,13 +578,18 @@ class StateArena:
     def describe(self) -> dict[str, Any]:
         return {"entries": len(self._entries), "bytes": self.bytes_total, "plaintext_bytes": self.hot_bytes,
                 "sealed_bytes": self.sealed_bytes, "hot_tier_bytes": self.plaintext_bytes,
-                "open_failures": self.open_failures, "unsealed_drops": self.unsealed_drops}
+                "open_failures": self.open_failures, "unsealed_drops": self.unsealed_drops,
+                "reserve_bytes": self.memory.reserved_bytes, "reserve_free_bytes": self.memory.free_bytes}
 
     def __len__(self) -> int:
         return len(self._entries)
 
 
 def new_prefix_cache(budget: CacheBudget, sealed: bool = True, plaintext_bytes: int = 0,
-                     threads: int | None = None) -> PrefixCache:
-    """A prefix cache over a new arena: sealed under a new boot master key unless `sealed` is False."""
-    return PrefixCache(budget, StateArena(Sealer(threads) if sealed else None, plaintext_bytes))
+                     threads: int | None = None, reserve_bytes: int = 0) -> PrefixCache:
+    """A prefix cache over a new arena: sealed under a new boot master key unless `sealed` is False, into
+    `reserve_bytes` of memory written now (`BlobMemory`)."""
+    arena = StateArena(Sealer(threads) if sealed else None, plaintext_bytes)
+    if sealed:
+        arena.memory.reserve(reserve_bytes)
+    return PrefixCache(budget, arena)

@@ -151,7 +151,7 @@ class Sealer:
         self._run(key.aead.encrypt_into, jobs)
         return nonces
 
-    def open_jobs(self, scope: Scope, place: Place, nonces: Sequence[bytes], sealed: bytearray,
+    def open_jobs(self, scope: Scope, place: Place, nonces: Sequence[bytes], sealed: bytearray | memoryview,
                   outs: Sequence[Any]) -> list[tuple[Any, ...]]:
         """The decryptions that open every message of an entry into `outs`."""
         view, messages, offset = memoryview(sealed), [], 0

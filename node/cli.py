@@ -146,7 +146,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     budget = dataclasses.replace(config.cache, eviction=args.eviction) if args.eviction else config.cache
     prefix_cache = None if args.no_reuse else new_prefix_cache(budget, sealed=not args.no_seal,
-                                                               plaintext_bytes=config.plaintext_bytes)
+                                                               plaintext_bytes=config.plaintext_bytes,
+                                                               reserve_bytes=config.reserve_bytes)
     service = ModelService.create(loaded, prefix_cache, config.limits, reuse_policy)
     app = create_app(config, config_path, service, metering, identity, policy,
                      hygiene={**hygiene.as_json(), "policy": policy.name})
@@ -158,7 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
     forward = loaded.forward_path
     message = (_how_to_call(args.host, args.port, model_id, new_key)
                + f"Forward: {forward.name} ({forward.reason}); TENZRO_NATIVE=off selects transformers' forward\n"
-               + _lanes_line(service, config.limits.max_running))
+               + _lanes_line(service, config.limits.max_running) + _reserve_line(service))
     try:
         # handler_cancellation: a client that goes away cancels its handler, which stops its generation.
         web.run_app(app, host=args.host, port=args.port, access_log=None, handler_cancellation=True,
@@ -169,6 +170,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _reserve_line(service: ModelService) -> str:
+    sealing = service.runner.sealing_state()
+    if not sealing["on"]:
+        return ""
+    return f"Sealed state: {sealing['reserve_bytes'] / 2**20:.0f} MiB of memory reserved (cache.reserve_bytes)\n"
 
 
 def _lanes_line(service: ModelService, lanes: int) -> str:

@@ -71,6 +71,10 @@ class NodeConfig:
     cache: CacheBudget = field(default_factory=lambda: CacheBudget(node_bytes=4 * GIB, caller_bytes=1 * GIB))
     plaintext_bytes: int = 0
     """`cache.plaintext_bytes`: stored state kept unsealed (the hot tier) besides the last working cache."""
+    reserve_bytes: int = 1 * GIB
+    """`cache.reserve_bytes`: memory for sealed state, written at start (`cache/blob_memory.py`), so sealing a
+    wave's new state does not populate fresh pages on the engine's thread. 0: sealed state takes memory of its
+    own, as it needs it. Sealed state past it does so too."""
     limits: Limits = field(default_factory=Limits)
 
 
@@ -140,7 +144,7 @@ def parse_config(raw: Any) -> NodeConfig:
         callers.append(Caller(str(name), str(entry["key_sha256"]), entry.get("role", "caller"),
                               entry.get("retention", "keep"), ttl, _requirements(entry, name)))
     defaults = NodeConfig()
-    cache = _section(top.get("cache"), "cache", {"node_bytes", "caller_bytes", "plaintext_bytes"})
+    cache = _section(top.get("cache"), "cache", {"node_bytes", "caller_bytes", "plaintext_bytes", "reserve_bytes"})
     limits = _section(top.get("limits"), "limits", {"max_queue", "max_body_bytes", "default_max_tokens",
                                                     "max_running", "prefill_chunk", "lane_bytes"})
     for key in ("max_running", "prefill_chunk"):
@@ -149,6 +153,7 @@ def parse_config(raw: Any) -> NodeConfig:
     budget = CacheBudget(cache.get("node_bytes", defaults.cache.node_bytes),
                          cache.get("caller_bytes", defaults.cache.caller_bytes))
     return NodeConfig(callers=tuple(callers), cache=budget, plaintext_bytes=cache.get("plaintext_bytes", 0),
+                      reserve_bytes=cache.get("reserve_bytes", defaults.reserve_bytes),
                       limits=replace(defaults.limits, **limits))
 
 
@@ -177,7 +182,7 @@ def _dump(config: NodeConfig) -> dict[str, Any]:
     return {
         "callers": {c.name: _dump_caller(c) for c in config.callers},
         "cache": {"node_bytes": config.cache.node_bytes, "caller_bytes": config.cache.caller_bytes,
-                  "plaintext_bytes": config.plaintext_bytes},
+                  "plaintext_bytes": config.plaintext_bytes, "reserve_bytes": config.reserve_bytes},
         "limits": {"max_queue": config.limits.max_queue, "max_body_bytes": config.limits.max_body_bytes,
                    "default_max_tokens": config.limits.default_max_tokens, "max_running": config.limits.max_running,
                    "prefill_chunk": config.limits.prefill_chunk, "lane_bytes": config.limits.lane_bytes},

@@ -50,6 +50,9 @@ def test_config_rejects_unknown_keys_and_bad_values() -> None:
     assert parse_config({"limits": {"lane_bytes": 0}}).limits.lane_bytes == 0
     with pytest.raises(ConfigError, match="limits.lane_bytes"):
         parse_config({"limits": {"lane_bytes": -1}})
+    assert parsed.reserve_bytes == 1024**3 and parse_config({"cache": {"reserve_bytes": 0}}).reserve_bytes == 0
+    with pytest.raises(ConfigError, match="cache.reserve_bytes"):
+        parse_config({"cache": {"reserve_bytes": -1}})
     with pytest.raises(ConfigError, match="caller name"):
         add_key(Path("/nonexistent/x.yaml"), "bad name!")
 

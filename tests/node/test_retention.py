@@ -64,10 +64,13 @@ def test_a_removed_key_and_an_expired_ttl_destroy_the_callers_state(node_factory
     model = small_model_dir.name
     alice = openai.OpenAI(base_url=node.base, api_key=node.add_key("alice"), max_retries=0)
     complete(alice, model)
-    assert wait_for(node, lambda s: s["entries"] > 0 and s["plaintext_bytes"] == 0)["sealed_bytes"] > 0
+    settled = wait_for(node, lambda s: s["entries"] > 0 and s["plaintext_bytes"] == 0)
+    assert settled["sealed_bytes"] > 0 and settled["reserve_bytes"] == 1024**3  # the default `cache.reserve_bytes`
+    assert settled["reserve_free_bytes"] < settled["reserve_bytes"]  # the ciphertext lies in the reserve
     removed = tenzro("keys", "remove", "alice", "--config", str(node.config), env=node.env)
     assert removed.returncode == 0, removed.stderr
-    wait_for(node, lambda s: s["entries"] == 0 and s["bytes"] == 0, timeout_s=5)
+    gone = wait_for(node, lambda s: s["entries"] == 0 and s["bytes"] == 0, timeout_s=5)
+    assert gone["reserve_free_bytes"] == gone["reserve_bytes"]  # given back (zeroed: tests/cache/test_blob_memory.py)
     with pytest.raises(openai.AuthenticationError):
         complete(alice, model)
 
