@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,14 +45,13 @@ class Blob:
 
 
 class BlobMemory:
-    """Free ranges of slabs written at start, taken first fit."""
+    """Free ranges of slabs written at start, taken first fit. Used from the arena's thread only, as the arena is."""
 
     def __init__(self) -> None:
         self._slabs: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []
         """Per slab, its free `[start, end)` ranges in order, none adjacent."""
         self.free_bytes = 0
-        self._lock = threading.Lock()
 
     @property
     def reserved_bytes(self) -> int:
@@ -62,11 +60,9 @@ class BlobMemory:
     def reserve(self, nbytes: int) -> int:
         """Write slabs of zeros until at least `nbytes` are reserved (whole slabs); returns the bytes reserved."""
         while self.reserved_bytes < nbytes:
-            slab = torch.zeros(SLAB_BYTES, dtype=torch.uint8)
-            with self._lock:
-                self._slabs.append(slab)
-                self._free.append([(0, SLAB_BYTES)])
-                self.free_bytes += SLAB_BYTES
+            self._slabs.append(torch.zeros(SLAB_BYTES, dtype=torch.uint8))
+            self._free.append([(0, SLAB_BYTES)])
+            self.free_bytes += SLAB_BYTES
         return self.reserved_bytes
 
     def blob(self, nbytes: int) -> Blob:
@@ -80,29 +76,27 @@ class BlobMemory:
         """A writable view of `nbytes` reserved bytes (zeros or old zeroed ciphertext) and its place, for `give`;
         None where no free range holds it."""
         size = -(-nbytes // ALIGN) * ALIGN
-        with self._lock:
-            for slab, ranges in enumerate(self._free):
-                for index, (start, end) in enumerate(ranges):
-                    if end - start >= size:
-                        if end - start == size:
-                            del ranges[index]
-                        else:
-                            ranges[index] = (start + size, end)
-                        self.free_bytes -= size
-                        view = memoryview(self._slabs[slab].numpy())[start:start + nbytes]  # type: ignore[arg-type]
-                        return view, (slab, start, start + size)
+        for slab, ranges in enumerate(self._free):
+            for index, (start, end) in enumerate(ranges):
+                if end - start >= size:
+                    if end - start == size:
+                        del ranges[index]
+                    else:
+                        ranges[index] = (start + size, end)
+                    self.free_bytes -= size
+                    view = memoryview(self._slabs[slab].numpy())[start:start + nbytes]  # type: ignore[arg-type]
+                    return view, (slab, start, start + size)
         return None
 
     def give(self, place: tuple[int, int, int]) -> None:
         """Take back a range from `take`, which the caller has zeroed."""
         slab, start, end = place
-        with self._lock:
-            ranges = self._free[slab]
-            index = bisect.bisect(ranges, (start, end))
-            if index < len(ranges) and ranges[index][0] == end:  # joins the next range
-                end = ranges.pop(index)[1]
-            if index and ranges[index - 1][1] == start:  # and the one before
-                index -= 1
-                start = ranges.pop(index)[0]
-            ranges.insert(index, (start, end))
-            self.free_bytes += place[2] - place[1]
+        ranges = self._free[slab]
+        index = bisect.bisect(ranges, (start, end))
+        if index < len(ranges) and ranges[index][0] == end:  # joins the next range
+            end = ranges.pop(index)[1]
+        if index and ranges[index - 1][1] == start:  # and the one before
+            index -= 1
+            start = ranges.pop(index)[0]
+        ranges.insert(index, (start, end))
+        self.free_bytes += place[2] - place[1]
