@@ -14,6 +14,11 @@ the script prints the median milliseconds per step, tokens per second, and the l
 the packed batched step and of the shared one against the native step, relative to the largest logit, and
 whether the screened tokens are the argmax of the native attention's logits.
 `Runner.decode` takes the native path at batch 1 only; this measures where that choice stands.
+
+The process first takes the node's hygiene (`apply_hygiene`: memory locked where allowed, new allocations written
+by glibc), so that the lanes' pages exist before a step writes its new rows into them, as in the node, whose lanes
+are written at start. Without it, a step of 32 rows also took the page faults of its new rows: 84 against 75 ms
+(BATCHING.md, "Huge pages for the lanes, tried").
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from node.engine.batch_forward import BatchedDecode, Shared, equal_rows
 from node.engine.cpu_kernels import load_kernels
 from node.engine.cpu_layout import TransposedLinear
 from node.engine.loader import DEFAULT_MODEL, load_model, resolve_model_dir
+from node.hygiene import apply_hygiene
 
 
 @torch.inference_mode()
@@ -39,6 +45,7 @@ def main() -> None:
     parser.add_argument("--shared", type=int, default=0, help="first tokens all sequences' prompts share")
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args()
+    apply_hygiene()
     torch.set_num_threads(1)
     model_id, path = resolve_model_dir(DEFAULT_MODEL, tenzro_home())
     loaded = load_model(model_id, path)
