@@ -1,12 +1,13 @@
 """`tenzro bench seal`: how fast stored state seals and opens, and what sealing costs a caller's time to first token.
 
 Two parts, one run. First the cipher on state-shaped messages (one head's `BLOCK_TOKENS` tokens each) through
-the node's own `Sealer`, on one thread and on all cores. Then a local node on the default model, two callers:
-per length and run, caller A's miss (a cold prompt), then caller B's short request (A's state is now sealed and
-out of the working buffers), A's sealed hit on the same prefix, and A's hot hit right after it. What sealing adds
-is taken run by run, as the median of each run's sealed hit minus its hot hit: the two follow each other, so a
-slow spell of the machine lifts both, where the difference of two medians taken apart mixes spells. The goals
-of issue 11 are checked and printed with the numbers.
+the node's own `Sealer`, on one thread and on all cores: over `--cipher-mib` of state, bound by the memory on a
+small VM, and over `IN_CACHE_MIB` opened again and again, which shows whether the cores are all used. Then a
+local node on the default model, two callers: per length and run, caller A's miss (a cold prompt), then caller
+B's short request (A's state is now sealed and out of the working buffers), A's sealed hit on the same prefix,
+and A's hot hit right after it. What sealing adds is taken run by run, as the median of each run's sealed hit
+minus its hot hit: the two follow each other, so a slow spell of the machine lifts both, where the difference of
+two medians taken apart mixes spells. The goals of issue 11 are checked and printed with the numbers.
 """
 
 from __future__ import annotations
@@ -72,11 +73,18 @@ class TtftRow:
         return self.extra_ms / self.open_ms_at_all_cores
 
 
-def cipher_rates(total_mib: int, runs: int) -> list[CipherRow]:
+IN_CACHE_MIB, IN_CACHE_PASSES = 8, 16
+"""The second measurement opens 8 MiB 16 times a run: with its plaintext it stays in the last-level cache, so the
+rate is the cores' and not the memory's, and waking the threads is paid once for 128 MiB."""
+
+
+def cipher_rates(total_mib: int, runs: int, passes: int = 1) -> list[CipherRow]:
     """Seal and open `total_mib` of state laid out as the working cache holds it (layers of K/V `[1, 8 heads,
     tokens, 64]` in float32, one message per head and `BLOCK_TOKENS` tokens) with the node's Sealer, one
     thread then all cores: the rate a sealed hit's opening can reach, into buffers already touched. A plain
-    copy of the same bytes (`memcpy`) is measured beside them: the memory's own rate, which bounds both."""
+    copy of the same bytes (`memcpy`) is measured beside them: the memory's own rate, which bounds both.
+    With `passes` above one, each run opens and copies the same state that many times (rows "open in cache",
+    "memcpy in cache"), and nothing is sealed."""
     import torch
 
     from cache.arena import BLOCK_TOKENS
@@ -99,19 +107,16 @@ def cipher_rates(total_mib: int, runs: int) -> list[CipherRow]:
     cores = len(os.sched_getaffinity(0))
     scope, place = Scope("bench", "bench"), Place(1, 0, BLOCK_TOKENS, "span")
     sealers = {threads: Sealer(threads) for threads in (1, cores)}
-    operations = ("seal", "open", "memcpy")
+    operations = ("seal", "open", "memcpy") if passes == 1 else ("open", "memcpy")
     times: dict[tuple[str, int], list[float]] = {(op, threads): [] for op in operations for threads in sealers}
-    copied, torch_threads = torch.empty_like(plain), torch.get_num_threads()
     for run in range(runs + 1):  # the first is a warm-up; one thread and all cores alternate, sharing the spells
         for threads, sealer in sealers.items():
-            torch.set_num_threads(threads)  # the same bytes copied: what this machine's memory allows the cipher
-            started = time.perf_counter()
-            copied.copy_(plain)
-            times[("memcpy", threads)].append(time.perf_counter() - started)
             started = time.perf_counter()
             nonces = sealer.seal(scope, place, plain_parts, sealed)
-            times[("seal", threads)].append(time.perf_counter() - started)
-            jobs = sealer.open_jobs(scope, place, nonces, sealed, opened_parts)
+            if passes == 1:
+                times[("seal", threads)].append(time.perf_counter() - started)
+            # Each message `passes` times in a row: the threads' shares open different messages into different rows.
+            jobs = [job for job in sealer.open_jobs(scope, place, nonces, sealed, opened_parts) for _ in range(passes)]
             if not run:
                 opened.zero_()  # not before a timed run: the zeros' write-back would share its memory bandwidth
             started = time.perf_counter()
@@ -119,9 +124,20 @@ def cipher_rates(total_mib: int, runs: int) -> list[CipherRow]:
             times[("open", threads)].append(time.perf_counter() - started)
             if not run and not torch.equal(opened, plain):
                 raise BenchError("opened state differs from what was sealed")
+    # The same bytes copied by torch: what this machine's memory allows the cipher. Measured after the cipher,
+    # not between its runs: torch's OpenMP threads spin on the other cores for a while after a parallel copy,
+    # and would take those cores from the sealing threads.
+    copied, torch_threads = torch.empty_like(plain), torch.get_num_threads()
+    for _ in range(runs + 1):
+        for threads in sealers:
+            torch.set_num_threads(threads)
+            started = time.perf_counter()
+            for _ in range(passes):
+                copied.copy_(plain)
+            times[("memcpy", threads)].append(time.perf_counter() - started)
     torch.set_num_threads(torch_threads)
-    size = plain.numel() * plain.element_size() / GIB
-    return [cipher_row(op, size, times[(op, 1)][1:], times[(op, cores)][1:], cores) for op in operations]
+    size, suffix = passes * plain.numel() * plain.element_size() / GIB, " in cache" if passes > 1 else ""
+    return [cipher_row(op + suffix, size, times[(op, 1)][1:], times[(op, cores)][1:], cores) for op in operations]
 
 
 async def _sealed(client: Client, timeout_s: float = 10.0) -> None:
@@ -178,8 +194,8 @@ def ttft_row(length: int, times: dict[str, list[float]], cached: list[int], per_
 
 
 def format_report(ciphers: list[CipherRow], rows: list[TtftRow]) -> str:
-    lines = [f"{'':<8}{'1 core GiB/s':>14}{'all cores GiB/s':>17}{'cores':>7}{'speedup':>9}"]
-    lines += [f"{c.operation:<8}{c.one_core_gib_s:>14.2f}{c.all_cores_gib_s:>17.2f}{c.cores:>7}{c.speedup:>9.2f}"
+    lines = [f"{'':<16}{'1 core GiB/s':>14}{'all cores GiB/s':>17}{'cores':>7}{'speedup':>9}"]
+    lines += [f"{c.operation:<16}{c.one_core_gib_s:>14.2f}{c.all_cores_gib_s:>17.2f}{c.cores:>7}{c.speedup:>9.2f}"
               for c in ciphers]
     lines.append("")
     lines.append(f"{'tokens':>7}{'miss ms':>10}{'sealed ms':>11}{'hot ms':>9}{'miss/sealed':>13}{'opened MiB':>12}"
@@ -191,8 +207,15 @@ def format_report(ciphers: list[CipherRow], rows: list[TtftRow]) -> str:
 
 
 def goals(ciphers: list[CipherRow], rows: list[TtftRow]) -> list[tuple[str, bool]]:
-    opening = next(c for c in ciphers if c.operation == "open")
-    checks = [(f"opening on all cores is at least 1.7x one core ({opening.speedup:.2f}x)", opening.speedup >= 1.7)]
+    by_name = {c.operation: c for c in ciphers}
+    opening, copying = by_name["open"], by_name.get("memcpy")
+    bound = f"; a plain copy of the same bytes {copying.speedup:.2f}x" if copying else ""
+    checks = [(f"opening on all cores is at least 1.7x one core ({opening.speedup:.2f}x{bound})",
+               opening.speedup >= 1.7)]
+    cached = by_name.get("open in cache")
+    if cached is not None:
+        checks.append((f"opening state in cache on all cores is at least 1.7x one core ({cached.speedup:.2f}x)",
+                       cached.speedup >= 1.7))
     for row in rows:
         if row.prompt_tokens >= 4096:
             checks.append((f"{row.prompt_tokens} tokens: a sealed hit at least 10x faster than a miss "
@@ -207,7 +230,7 @@ def run_seal_bench(args: argparse.Namespace) -> int:
     lengths = tuple(int(part) for part in args.lengths.split(","))
     try:
         progress("bench seal: cipher rates")
-        ciphers = cipher_rates(args.cipher_mib, args.runs)
+        ciphers = cipher_rates(args.cipher_mib, args.runs) + cipher_rates(IN_CACHE_MIB, args.runs, IN_CACHE_PASSES)
         open_rate = next(c for c in ciphers if c.operation == "open").all_cores_gib_s
         with (tempfile.TemporaryDirectory(prefix="tenzro-bench-") as workdir,
               LocalNode(Path(workdir), args.model, args.threads, args.device) as node):

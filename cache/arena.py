@@ -586,10 +586,10 @@ class StateArena:
 
 
 def new_prefix_cache(budget: CacheBudget, sealed: bool = True, plaintext_bytes: int = 0,
-                     threads: int | None = None, reserve_bytes: int = 0) -> PrefixCache:
+                     threads: int | None = None, reserve_bytes: int = 0, compute_threads: int = 0) -> PrefixCache:
     """A prefix cache over a new arena: sealed under a new boot master key unless `sealed` is False, into
-    `reserve_bytes` of memory written now (`BlobMemory`)."""
-    arena = StateArena(Sealer(threads) if sealed else None, plaintext_bytes)
+    `reserve_bytes` of memory written now (`BlobMemory`); `compute_threads`: the forward's CPU threads."""
+    arena = StateArena(Sealer(threads, compute_threads) if sealed else None, plaintext_bytes)
     if sealed:
         arena.memory.reserve(reserve_bytes)
     return PrefixCache(budget, arena)

@@ -147,7 +147,8 @@ def _serve(args: argparse.Namespace) -> int:
     budget = dataclasses.replace(config.cache, eviction=args.eviction) if args.eviction else config.cache
     prefix_cache = None if args.no_reuse else new_prefix_cache(budget, sealed=not args.no_seal,
                                                                plaintext_bytes=config.plaintext_bytes,
-                                                               reserve_bytes=config.reserve_bytes)
+                                                               reserve_bytes=config.reserve_bytes,
+                                                               compute_threads=args.threads)
     service = ModelService.create(loaded, prefix_cache, config.limits, reuse_policy)
     app = create_app(config, config_path, service, metering, identity, policy,
                      hygiene={**hygiene.as_json(), "policy": policy.name})

@@ -44,6 +44,20 @@ def test_a_message_opens_in_its_place_and_nowhere_else() -> None:
         open_message(sealer, flipped, nonce)
 
 
+@pytest.mark.parametrize(("compute_threads", "shares"), [(0, 2), (1, 1), (2, 2)])
+def test_rows_open_beside_the_forward_on_the_cores_it_leaves_idle(compute_threads: int, shares: int) -> None:
+    sealer = Sealer(threads=2, compute_threads=compute_threads)
+    plain = [bytes([i]) * 300 for i in range(8)]
+    sealed = bytearray(sum(len(p) + TAG_BYTES for p in plain))
+    nonces = sealer.seal(ALICE, PLACE, plain, sealed)
+    targets = [bytearray(300) for _ in plain]
+    futures = sealer.open_later(sealer.open_jobs(ALICE, PLACE, nonces, sealed, targets))
+    assert sealer.beside == shares and len(futures) == shares
+    for future in futures:
+        future.result()
+    assert [bytes(t) for t in targets] == plain
+
+
 def test_nonces_never_repeat_and_keys_differ_per_scope_and_boot() -> None:
     sealer = Sealer(threads=1)
     nonces = [sealed_message(sealer)[1] for _ in range(50)] + [sealed_message(sealer, BOB)[1] for _ in range(5)]
