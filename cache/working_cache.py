@@ -116,23 +116,53 @@ class GrowableKVLayer(DynamicLayer):
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         """(position, keys, values) appended by reference, in position order; immutable stored pieces."""
 
+    _ahead = 0
+    """Rows written in place past the views by a batched step (`append_at`, `advance`); the views catch up when
+    read."""
+
     @property  # type: ignore[override]
     def keys(self) -> torch.Tensor | None:
         self.wait_rows()
+        if self._ahead:
+            self._catch_up()
         return self._keys
 
     @keys.setter
     def keys(self, keys: torch.Tensor | None) -> None:
-        self._keys = keys
+        self._keys, self._ahead = keys, 0
 
     @property  # type: ignore[override]
     def values(self) -> torch.Tensor | None:
         self.wait_rows()
+        if self._ahead:
+            self._catch_up()
         return self._values
 
     @values.setter
     def values(self, values: torch.Tensor | None) -> None:
-        self._values = values
+        self._values, self._ahead = values, 0
+
+    def append_at(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The key and value buffers and the row where one new row goes, for a batched step that writes it in
+        place (`batch_forward.RowsCache` through the native kernels) and then calls `advance`: None (the step
+        calls `update`) unless the layer is set up, has nothing opening or held by reference, and has room."""
+        keys, buffer = self._keys, self._key_buffer
+        if self.opening is not None or self._pending or keys is None or buffer is None:
+            return None
+        row = keys.shape[-2] + self._ahead
+        if row >= buffer.shape[-2]:
+            return None
+        assert self._value_buffer is not None
+        return buffer, self._value_buffer, row
+
+    def advance(self) -> None:
+        """The row `append_at` named is written: one more stored row."""
+        self._ahead += 1
+
+    def _catch_up(self) -> None:
+        assert self._keys is not None and self._key_buffer is not None and self._value_buffer is not None
+        end = self._keys.shape[-2] + self._ahead
+        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
 
     def wait_rows(self) -> None:
         """Return once every stored row of this layer is in place (at once unless rows are still opening)."""
@@ -143,7 +173,9 @@ class GrowableKVLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         """The length is known while rows are still opening: it does not wait for them."""
         keys = self._keys
-        return 0 if not self.is_initialized or keys is None or keys.numel() == 0 else int(keys.shape[-2])
+        if not self.is_initialized or keys is None or keys.dim() < 2:
+            return 0
+        return int(keys.shape[-2]) + self._ahead
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +221,7 @@ class GrowableKVLayer(DynamicLayer):
         """(keys, values) pieces covering positions `[0, length)` in order: buffer views and pieces held by
         reference."""
         assert self._key_buffer is not None and self._value_buffer is not None and self._keys is not None
-        pieces, position, end = [], 0, self._keys.shape[-2]  # views only: the rows are not read here
+        pieces, position, end = [], 0, self.get_seq_length()  # views only: the rows are not read here
         for start, keys, values in self._pending:
             if start > position:
                 pieces.append((self._key_buffer[:, :, position:start], self._value_buffer[:, :, position:start]))

@@ -14,7 +14,10 @@ the group's queries over those rows once, from one member's buffers, and each me
 merging the two parts by their log-sum-exp. The shared rows are then read once per step instead of once per
 sequence, which is what bounds a step of many sequences over long histories. Groups never span scopes: the
 runner forms them from one caller's sequences only. Where the CPU kernels run, each row's own rows are attended
-by the native decode attention, all rows of a layer in one call (`_attend_each`).
+by the native decode attention, all rows of a layer in one call (`_attend_each`); and the step's new rows are
+written straight into the rows' buffers by one native call per layer, the rows' histories then handed to the
+attention by address (`RowsCache._write`, `Written`, `_attend_written`): a tensor view per row and layer cost
+more than the attention's own arithmetic saves at 32 rows (BATCHING.md).
 
 Recurrent layers (Mamba-1/2 scans, gated delta-net, short convs, alone or beside attention) keep one
 position's conv and recurrent states per sequence. For the step they are stacked along the batch (`[B, ...]`),
@@ -44,7 +47,7 @@ from transformers.cache_utils import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from cache.working_cache import GrowableKVLayer
-from node.engine.cpu_kernels import CpuKernels
+from node.engine.cpu_kernels import CpuKernels, RowsAt
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 """SDPA's CPU flash kernel, which also returns each query's log-sum-exp (what merging two parts needs)."""
@@ -93,16 +96,45 @@ class RowsCache(Cache):
         """The native decode attention's, where it runs (one torch thread, the kernels loaded)."""
         self.work = work or (lambda floats: torch.empty(floats))
         """Scratch of at least so many floats for it."""
-        self.history: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.history: dict[int, Written | list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.shared_rows = 0
         """Row-layers whose shared rows were read once for their group in this step."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         layers: list[Any] = [cache.layers[layer_idx] for cache in self.caches]  # attention layers (`batchable`)
-        self.history[layer_idx] = [layer.update(key_states[row:row + 1], value_states[row:row + 1])
-                                   for row, layer in enumerate(layers)]
+        written = self._write(key_states, value_states, layers) if self.kernels is not None else None
+        self.history[layer_idx] = written if written is not None else [
+            layer.update(key_states[row:row + 1], value_states[row:row + 1]) for row, layer in enumerate(layers)]
         return key_states, value_states
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, layers: list[Any]) -> Written | None:
+        """Every row's new keys and values written into its layer's buffers by one native call, where every
+        row's layer takes a row in place (`GrowableKVLayer.append_at`): no tensor view per row. None (nothing
+        written) otherwise."""
+        assert self.kernels is not None
+        kv_heads, head_dim = keys.shape[1], keys.shape[3]
+        places = []
+        for layer in layers:
+            place = layer.append_at() if type(layer) is GrowableKVLayer else None
+            if place is None:
+                return None
+            key_buffer, value_buffer, _ = place
+            # Rows of head_dim floats contiguous, heads `stride(1)` apart, keys and values alike.
+            if not (key_buffer.dtype == value_buffer.dtype == torch.float32 and key_buffer.shape[0] == 1
+                    and key_buffer.shape == value_buffer.shape and key_buffer.stride() == value_buffer.stride()
+                    and key_buffer.shape[1] == kv_heads and key_buffer.shape[3] == head_dim
+                    and key_buffer.stride(2) == head_dim and key_buffer.stride(3) == 1):
+                return None
+            places.append(place)
+        positions = [row for _, _, row in places]
+        rows = RowsAt([k.data_ptr() for k, _, _ in places], [v.data_ptr() for _, v, _ in places],
+                      [k.stride(1) for k, _, _ in places], [row + 1 for row in positions], kv_heads)
+        if not self.kernels.append_rows(keys, values, rows, positions):
+            return None
+        for layer in layers:
+            layer.advance()
+        return Written(layers, rows)
 
     def scatter(self) -> None:
         """After the forward: each row's recurrent states are its row of the stacked ones (copied in place, as the
@@ -148,22 +180,44 @@ class Shared:
     length: int
 
 
+@dataclass(frozen=True, slots=True)
+class Written:
+    """A layer's rows of a step whose new keys and values were written in place (`RowsCache._write`): the rows'
+    layers and their whole histories by address."""
+
+    layers: list[GrowableKVLayer]
+    at: RowsAt
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The histories as the layers' views (which catch up with the rows written in place)."""
+        return [(layer.keys, layer.values) for layer in self.layers]  # type: ignore[misc]
+
+
 def _rows_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """Each row's one query over its own history, without a mask: one query attends to every key its layer
     returns, as when the sequence runs alone. Where the layer is full attention by plain SDPA, groups of rows
     with shared first rows attend those once (`_attend_shared`), and every row's own rows go to the native
-    decode attention where it runs (`_attend_each`); otherwise each row runs the model's own attention
-    function."""
+    decode attention where it runs (`_attend_each`; by address, `_attend_written`, where the step wrote the new
+    rows in place); otherwise each row runs the model's own attention function."""
     step: RowsCache = _STEP.rows
     rows = step.history.pop(module.layer_idx)
+    plain = (step.shared or step.kernels is not None) and _plain(step, module, args, kwargs)
+    if isinstance(rows, Written):
+        done = _attend_written(step, query, rows, _scale(query, kwargs)) if plain else None
+        if done is not None:
+            return done, None
+        rows = rows.tensors()
     outputs: list[torch.Tensor | None] = [None] * len(rows)
-    if (step.shared or step.kernels is not None) and _plain(step, module, args, kwargs):
-        scale = kwargs.get("scaling")
-        scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+    if plain:
+        scale = _scale(query, kwargs)
         queries = query.reshape(len(rows), query.shape[1], query.shape[-1])  # one query per row
         for group in step.shared:
-            merged = _attend_shared(step, queries, rows, group, scale)
+            merged = _attend_shared(queries, group, rows[0][0].shape[1], *_tensor_parts(step, rows, group, scale))
+            assert merged is not None  # the tensor parts never decline
             for member, output in zip(group.members, merged, strict=True):
                 outputs[member] = output.unsqueeze(0)
             step.shared_rows += len(group.members)
@@ -177,6 +231,95 @@ def _rows_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
         if outputs[row] is None:
             outputs[row] = inner(module, query[row:row + 1], keys, values, None, *args, **kwargs)[0]
     return torch.cat(outputs), None  # type: ignore[arg-type]
+
+
+def _scale(query: torch.Tensor, kwargs: dict[str, Any]) -> float:
+    scale = kwargs.get("scaling")
+    return float(scale) if scale is not None else query.shape[-1] ** -0.5
+
+
+def _attend_written(step: RowsCache, query: torch.Tensor, written: Written, scale: float) -> torch.Tensor | None:
+    """`_rows_attention`'s native path over histories by address (`Written`): each group's shared rows once,
+    every other row's history alone, without a tensor view per row. Returns `[rows, 1, heads, head_dim]`, or None
+    where a native call declines (the caller goes on with the layers' views)."""
+    count, at = len(written), written.at
+    queries = query.reshape(count, query.shape[1], query.shape[-1])
+    out = queries.new_empty(queries.shape)
+    alone = [True] * count
+    for group in step.shared:
+        merged = _attend_shared(queries, group, at.kv_heads, *_address_parts(step, written, group, scale))
+        if merged is None:
+            return None
+        out[list(group.members)] = merged.reshape(len(group.members), *queries.shape[1:])
+        for member in group.members:
+            alone[member] = False
+    rest = [row for row in range(count) if alone[row]]
+    if rest:
+        every = len(rest) == count
+        part = _attend_at(step, queries if every else queries[rest], at if every else RowsAt(
+            [at.keys[r] for r in rest], [at.values[r] for r in rest], [at.strides[r] for r in rest],
+            [at.lengths[r] for r in rest], at.kv_heads), scale)
+        if part is None:
+            return None
+        out[rest] = part[0]
+    step.shared_rows += count - len(rest)
+    return out.reshape(count, 1, *queries.shape[1:])
+
+
+Part = Callable[..., "tuple[torch.Tensor, torch.Tensor] | None"]
+"""Attention of some queries over some rows: outputs `[R, heads, head_dim]` and log-sum-exp `[R, heads]`, or None
+where a native call declines."""
+
+
+def _tensor_parts(step: RowsCache, history: list[tuple[torch.Tensor, torch.Tensor]], group: Shared,
+                  scale: float) -> tuple[Part, Part]:
+    """A group's two parts (`_attend_shared`) over its members' views: the shared rows from the first member's."""
+    keys, values = history[group.members[0]]
+    length = group.length
+
+    def shared(stacked: torch.Tensor, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return _attend_each(step, stacked, [(keys[:, :, :length], values[:, :, :length])], scale, native=native)
+
+    def own(mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _attend_each(step, mine, [(history[member][0][:, :, length:], history[member][1][:, :, length:])
+                                         for member in group.members], scale)
+
+    return shared, own
+
+
+def _address_parts(step: RowsCache, written: Written, group: Shared, scale: float) -> tuple[Part, Part]:
+    """A group's two parts (`_attend_shared`) by address: a member's own rows start `length` rows into its
+    buffers' heads (float32 rows of head_dim, as `RowsCache._write` checked)."""
+    at, holder, length = written.at, group.members[0], group.length
+
+    def shared(stacked: torch.Tensor, native: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if native:
+            return _attend_at(step, stacked, RowsAt([at.keys[holder]], [at.values[holder]], [at.strides[holder]],
+                                                    [length], at.kv_heads), scale)
+        layer = written.layers[holder]  # the flash kernel reads views: this layer's catch up
+        assert layer.keys is not None and layer.values is not None
+        return _attend_each(step, stacked, [(layer.keys[:, :, :length], layer.values[:, :, :length])], scale,
+                            native=False)
+
+    def own(mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        skip = length * mine.shape[-1] * 4
+        return _attend_at(step, mine, RowsAt([at.keys[m] + skip for m in group.members],
+                                             [at.values[m] + skip for m in group.members],
+                                             [at.strides[m] for m in group.members],
+                                             [at.lengths[m] - length for m in group.members], at.kv_heads), scale)
+
+    return shared, own
+
+
+def _attend_at(step: RowsCache, queries: torch.Tensor, rows: RowsAt, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`_attend_each`'s native call over rows by address; None where it declines."""
+    assert step.kernels is not None
+    queries = queries.contiguous()
+    count, heads, head_dim = queries.shape
+    out, lse = queries.new_empty(queries.shape), queries.new_empty((count, heads))
+    work = step.work(heads // rows.kv_heads * (head_dim + max(rows.lengths)))
+    return (out, lse) if step.kernels.decode_attention_at(queries, rows, scale, out, lse, work) else None
 
 
 def _plain(step: RowsCache, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -213,27 +356,23 @@ def _attend_each(step: RowsCache, queries: torch.Tensor, history: Sequence[tuple
     return torch.stack(outs), torch.stack(lses)
 
 
-def _attend_shared(step: RowsCache, queries: torch.Tensor, history: list[tuple[torch.Tensor, torch.Tensor]],
-                   group: Shared, scale: float) -> torch.Tensor:
+def _attend_shared(queries: torch.Tensor, group: Shared, kv_heads: int, shared: Part, own: Part
+                   ) -> torch.Tensor | None:
     """Attention of the group's queries (`queries` `[B, heads, head_dim]`) over their histories, whose first
-    `group.length` rows are the same: those rows once for all the group's queries, each member's own rest
-    alone (`_attend_each`), the two parts merged by their log-sum-exp. Returns `[members, 1, heads, head_dim]`,
-    the layout the model's attention functions return."""
-    keys, values = history[group.members[0]]
+    `group.length` rows are the same: those rows once for all the group's queries (`shared(stacked, native)`,
+    the queries as one row of many heads per key/value head, `native` when few enough for the native call),
+    each member's own rest alone (`own(mine)`), the two parts merged by their log-sum-exp. Returns `[members, 1,
+    heads, head_dim]`, the layout the model's attention functions return; None where a part declines."""
     size, heads, head_dim = len(group.members), queries.shape[1], queries.shape[-1]
-    kv_heads = keys.shape[1]
     per_kv = heads // kv_heads  # query heads sharing one key/value head: they attend as more queries of it
     mine = queries[list(group.members)]
-    length = group.length
-    # The group's queries as one row of many heads per key/value head.
     stacked = mine.reshape(size, kv_heads, per_kv, head_dim).transpose(0, 1).reshape(1, -1, head_dim)
-    first, first_lse = _attend_each(step, stacked, [(keys[:, :, :length], values[:, :, :length])], scale,
-                                    native=size * per_kv <= NATIVE_SHARED_QUERIES)
+    first_part, second_part = shared(stacked, size * per_kv <= NATIVE_SHARED_QUERIES), own(mine)
+    if first_part is None or second_part is None:
+        return None
+    (first, first_lse), (second, second_lse) = first_part, second_part
     first = first.reshape(kv_heads, size, per_kv, head_dim).transpose(0, 1).reshape(size, heads, head_dim)
     first_lse = first_lse.reshape(kv_heads, size, per_kv).transpose(0, 1).reshape(size, heads)
-    second, second_lse = _attend_each(step, mine, [(history[member][0][:, :, length:],
-                                                    history[member][1][:, :, length:]) for member in group.members],
-                                      scale)
     top = torch.maximum(first_lse, second_lse)
     first_weight, second_weight = (first_lse - top).exp_().unsqueeze(-1), (second_lse - top).exp_().unsqueeze(-1)
     merged = (first * first_weight + second * second_weight) / (first_weight + second_weight)

@@ -35,6 +35,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
                       _i64, _ptr], ctypes.c_int),
     "tz_decode_attention": ([_i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _i64, _ptr, _ptr],
                             ctypes.c_int),
+    "tz_append_rows": ([_i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr], None),
     "tz_pack_screen": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr], None),
     "tz_head_argmax": ([_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr], None),
     "tz_decoder_forward": ([_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _ptr, _ptr],
@@ -43,6 +44,19 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "tz_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
     "tz_silu_mul": ([_ptr, _i64, _i64, _ptr], None),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class RowsAt:
+    """Rows of keys and values by address, one entry per sequence: float32 buffers whose heads (`kv_heads`) lie
+    `strides[r]` floats apart, each head's rows of head_dim floats contiguous, `lengths[r]` rows from
+    `keys[r]`/`values[r]`. What the native decode attention reads, without a tensor view per sequence."""
+
+    keys: list[int]
+    values: list[int]
+    strides: list[int]
+    lengths: list[int]
+    kv_heads: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,14 +320,43 @@ class CpuKernels:
         if (heads % kv_heads or work.numel() < heads // kv_heads * (head_dim + longest) or not work.is_contiguous()
                 or work.data_ptr() % ALIGNMENT):
             return False
-        key_pointers = (ctypes.c_void_p * rows)(*(k.data_ptr() for k, _ in history))
-        value_pointers = (ctypes.c_void_p * rows)(*(v.data_ptr() for _, v in history))
-        head_strides = (ctypes.c_int64 * rows)(*(k.stride(1) for k, _ in history))
-        lengths = (ctypes.c_int64 * rows)(*(k.shape[2] for k, _ in history))
-        status = self._lib.tz_decode_attention(rows, heads, kv_heads, head_dim, queries.data_ptr(), heads * head_dim,
-                                               key_pointers, value_pointers, head_strides, lengths, scale,
+        return self.decode_attention_at(queries, RowsAt([k.data_ptr() for k, _ in history],
+                                                        [v.data_ptr() for _, v in history],
+                                                        [k.stride(1) for k, _ in history],
+                                                        [k.shape[2] for k, _ in history], kv_heads),
+                                        scale, out, lse, work)
+
+    def decode_attention_at(self, queries: torch.Tensor, rows: RowsAt, scale: float, out: torch.Tensor,
+                            lse: torch.Tensor, work: torch.Tensor) -> bool:
+        """`decode_attention` over rows given by address (`RowsAt`, whose maker vouches for their layout); the
+        other arguments and the result as there."""
+        count, heads, head_dim = queries.shape
+        kv_heads = rows.kv_heads
+        if (heads % kv_heads or len(rows.lengths) != count or min(rows.lengths) < 1
+                or work.numel() < heads // kv_heads * (head_dim + max(rows.lengths))):
+            return False
+        status = self._lib.tz_decode_attention(count, heads, kv_heads, head_dim, queries.data_ptr(), heads * head_dim,
+                                               (ctypes.c_void_p * count)(*rows.keys),
+                                               (ctypes.c_void_p * count)(*rows.values),
+                                               (ctypes.c_int64 * count)(*rows.strides),
+                                               (ctypes.c_int64 * count)(*rows.lengths), scale,
                                                out.data_ptr(), heads * head_dim, lse.data_ptr(), work.data_ptr())
         return bool(status == 0)
+
+    def append_rows(self, keys: torch.Tensor, values: torch.Tensor, rows: RowsAt, positions: Sequence[int]) -> bool:
+        """Write a decode step's new rows, keys and values `[R, kv_heads, 1, head_dim]` (float32, the same strides
+        over rows and heads, head_dim contiguous), into the buffers `rows` names, row r at row `positions[r]`. False
+        (nothing written) for other shapes."""
+        count, kv_heads, one, head_dim = keys.shape
+        if (one != 1 or keys.stride()[:2] != values.stride()[:2] or not _contiguous_rows(keys)
+                or not _contiguous_rows(values) or values.shape != keys.shape or kv_heads != rows.kv_heads
+                or len(rows.keys) != count or len(positions) != count):
+            return False
+        self._lib.tz_append_rows(count, kv_heads, head_dim, keys.data_ptr(), values.data_ptr(), keys.stride(0),
+                                 keys.stride(1), (ctypes.c_void_p * count)(*rows.keys),
+                                 (ctypes.c_void_p * count)(*rows.values), (ctypes.c_int64 * count)(*rows.strides),
+                                 (ctypes.c_int64 * count)(*positions))
+        return True
 
     def decoder_forward(self, decoder: NativeDecoder, ids: Sequence[int], start: int, cos: torch.Tensor,
                         sin: torch.Tensor, work: torch.Tensor, logits: bool, last: torch.Tensor,

@@ -89,3 +89,24 @@ def test_zeroing_rows_goes_from_the_last_row_down_in_batches_and_stops_when_aske
     assert all(b is not None and b[:, :, 10:40].all() and not b[:, :, 40:100].any() for b in buffers)
     assert pool.zero_rows(10, 40) == 10
     assert all(b is not None and b[:, :, :10].all() and not b[:, :, 10:100].any() for b in buffers)
+
+
+def test_rows_written_in_place_count_at_once_and_the_views_catch_up_when_read() -> None:
+    layer = GrowableKVLayer(capacity=8)
+    keys, values = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    layer.update(keys, values)
+    key_buffer, value_buffer, row = layer.append_at()  # type: ignore[misc]
+    assert row == 5
+    key_buffer[:, :, row] = 1.0
+    value_buffer[:, :, row] = 2.0
+    layer.advance()
+    assert layer.get_seq_length() == 6 and layer.append_at()[2] == 6  # type: ignore[index]
+    assert layer._keys is not None and layer._keys.shape[2] == 5  # no view made yet
+    assert layer.keys is not None and layer.values is not None
+    assert torch.equal(layer.keys[:, :, :5], keys) and bool((layer.keys[:, :, 5] == 1.0).all())
+    assert bool((layer.values[:, :, 5] == 2.0).all()) and layer.get_seq_length() == 6
+    k, _ = layer.update(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))  # after the in-place row
+    assert k.shape[2] == 8 and bool((k[:, :, 5] == 1.0).all())
+    assert layer.append_at() is None  # full: the next row needs `update`, which grows the buffer
+    layer.defer(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))
+    assert layer.append_at() is None  # pieces held by reference are copied first, by `update`

@@ -707,6 +707,20 @@ int tz_decode_attention(int64_t R, int64_t H, int64_t Hkv, int64_t D, const floa
   return 0;
 }
 
+// A decode step's new key and value rows, one per sequence, written into each sequence's own buffers: row r's
+// Hkv heads (head g at src_k + r * src_st + g * src_head_st, D floats; the same for src_v) go to row positions[r]
+// of keys[r] and values[r], whose heads lie head_stride[r] floats apart.
+void tz_append_rows(int64_t R, int64_t Hkv, int64_t D, const float* src_k, const float* src_v, int64_t src_st,
+                    int64_t src_head_st, float* const* keys, float* const* values, const int64_t* head_stride,
+                    const int64_t* positions) {
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t g = 0; g < Hkv; g++) {
+      const int64_t at = g * head_stride[r] + positions[r] * D;
+      memcpy(keys[r] + at, src_k + r * src_st + g * src_head_st, D * 4);
+      memcpy(values[r] + at, src_v + r * src_st + g * src_head_st, D * 4);
+    }
+}
+
 // out[t, :] = w * x[t, :] / sqrt(mean(x[t, :]^2) + eps), as Llama's RMSNorm in float32.
 void tz_rmsnorm(const float* x, int64_t T, int64_t N, int64_t ldx, const float* w, float eps, float* out,
                 int64_t ldo) {

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from node.engine import cpu_kernels
-from node.engine.cpu_kernels import CpuKernels, PackedHead, load_kernels
+from node.engine.cpu_kernels import CpuKernels, PackedHead, RowsAt, load_kernels
 
 TOLERANCE = 1e-5
 """Float32 sums taken in another order: relative to the largest |value| of the reference."""
@@ -217,6 +217,36 @@ def test_decode_attention_refuses_shapes_it_does_not_take(kernels: CpuKernels) -
     too_small = torch.zeros(5)
     assert not kernels.decode_attention(torch.randn(1, 2, 64), [(keys, keys)], 0.1, torch.empty(1, 2, 64), lse,
                                         too_small)
+
+
+def test_a_steps_new_rows_go_into_each_rows_own_buffer_at_its_own_row(kernels: CpuKernels) -> None:
+    """Three sequences' buffers (heads 40 rows apart, as a lane's view of a longer buffer), each written at its
+    own next row from one `[3, kv_heads, 1, head_dim]` step whose values are laid out as transformers' are;
+    nothing else changes, and the rows then attend as views of the same buffers do."""
+    generator = torch.Generator().manual_seed(3)
+    kv_heads, head_dim, positions = 2, 64, [0, 7, 39]
+    buffers = [(torch.randn(1, kv_heads, 40, head_dim, generator=generator),
+                torch.randn(1, kv_heads, 40, head_dim, generator=generator)) for _ in positions]
+    before = [(keys.clone(), values.clone()) for keys, values in buffers]
+    keys = torch.randn(3, kv_heads, 1, head_dim, generator=generator)
+    values = torch.randn(3, 1, kv_heads, head_dim, generator=generator).transpose(1, 2)  # strides (128, 64, 128, 1)
+    rows = RowsAt([k.data_ptr() for k, _ in buffers], [v.data_ptr() for _, v in buffers],
+                  [k.stride(1) for k, _ in buffers], [p + 1 for p in positions], kv_heads)
+    assert kernels.append_rows(keys, values, rows, positions)
+    for row, ((k, v), (k0, v0), at) in enumerate(zip(buffers, before, positions, strict=True)):
+        assert torch.equal(k[0, :, at], keys[row, :, 0]) and torch.equal(v[0, :, at], values[row, :, 0])
+        mask = torch.ones(40, dtype=torch.bool)
+        mask[at] = False
+        assert torch.equal(k[:, :, mask], k0[:, :, mask]) and torch.equal(v[:, :, mask], v0[:, :, mask])
+    q = torch.randn(3, 4, head_dim, generator=generator)
+    by_address, by_view = torch.empty_like(q), torch.empty_like(q)
+    lse_address, lse_view, work = torch.empty(3, 4), torch.empty(3, 4), torch.zeros(2 * (head_dim + 40))
+    assert kernels.decode_attention_at(q, rows, 0.125, by_address, lse_address, work)
+    views = [(k[:, :, :p + 1], v[:, :, :p + 1]) for (k, v), p in zip(buffers, positions, strict=True)]
+    assert kernels.decode_attention(q, views, 0.125, by_view, lse_view, work)
+    assert torch.equal(by_address, by_view) and torch.equal(lse_address, lse_view)
+    assert not kernels.append_rows(keys.double(), values.double(), rows, positions)
+    assert not kernels.append_rows(keys, values, rows, positions[:2])
 
 
 @pytest.mark.parametrize("cuts", [(300,), (100, 200), (1, 37, 262), (150, 140, 10)])
