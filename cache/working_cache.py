@@ -116,6 +116,8 @@ class GrowableKVLayer(DynamicLayer):
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         """(position, keys, values) appended by reference, in position order; immutable stored pieces."""
 
+    _rows_plain = False
+    """Whether the buffers are laid out as `append_at` requires (found when they are set)."""
     _ahead = 0
     """Rows written in place past the views by a batched step (`append_at`, `advance`); the views catch up when
     read."""
@@ -145,9 +147,11 @@ class GrowableKVLayer(DynamicLayer):
     def append_at(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """The key and value buffers and the row where one new row goes, for a batched step that writes it in
         place (`batch_forward.RowsCache` through the native kernels) and then calls `advance`: None (the step
-        calls `update`) unless the layer is set up, has nothing opening or held by reference, and has room."""
+        calls `update`) unless the layer is set up, has nothing opening or held by reference, has room, and its
+        buffers are float32 `[1, kv_heads, rows, head_dim]` with rows of head_dim contiguous, keys and values
+        strided alike."""
         keys, buffer = self._keys, self._key_buffer
-        if self.opening is not None or self._pending or keys is None or buffer is None:
+        if self.opening is not None or self._pending or keys is None or buffer is None or not self._rows_plain:
             return None
         row = keys.shape[-2] + self._ahead
         if row >= buffer.shape[-2]:
@@ -290,4 +294,8 @@ class GrowableKVLayer(DynamicLayer):
                 key_buffer[:, :, :filled].copy_(self.keys)
                 value_buffer[:, :, :filled].copy_(self.values)
         self._key_buffer, self._value_buffer, self.capacity = key_buffer, value_buffer, capacity
+        strides = key_buffer.stride()
+        self._rows_plain = (key_buffer.dtype == value_buffer.dtype == torch.float32 and key_buffer.shape[0] == 1
+                            and key_buffer.shape == value_buffer.shape and strides == value_buffer.stride()
+                            and strides[2] == key_buffer.shape[3] and strides[3] == 1)
         self.keys, self.values = key_buffer[:, :, :filled], value_buffer[:, :, :filled]

@@ -119,12 +119,8 @@ class RowsCache(Cache):
             place = layer.append_at() if type(layer) is GrowableKVLayer else None
             if place is None:
                 return None
-            key_buffer, value_buffer, _ = place
-            # Rows of head_dim floats contiguous, heads `stride(1)` apart, keys and values alike.
-            if not (key_buffer.dtype == value_buffer.dtype == torch.float32 and key_buffer.shape[0] == 1
-                    and key_buffer.shape == value_buffer.shape and key_buffer.stride() == value_buffer.stride()
-                    and key_buffer.shape[1] == kv_heads and key_buffer.shape[3] == head_dim
-                    and key_buffer.stride(2) == head_dim and key_buffer.stride(3) == 1):
+            shape = place[0].shape  # rows of head_dim floats contiguous, heads `stride(1)` apart (`append_at`)
+            if shape[1] != kv_heads or shape[3] != head_dim:
                 return None
             places.append(place)
         positions = [row for _, _, row in places]
