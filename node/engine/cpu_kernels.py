@@ -305,21 +305,14 @@ class CpuKernels:
         `heads // kv_heads * (head_dim + max(n_r))` floats. False when the shapes are not ones the kernel takes
         (then nothing was written). One row of many heads per key/value head is many queries over the same
         rows: each row of keys and values is read once for a few of them at a time."""
-        rows, heads, head_dim = queries.shape
-        if not (queries.is_contiguous() and out.is_contiguous() and lse.is_contiguous() and len(history) == rows
-                and out.shape == queries.shape and lse.shape == (rows, heads)):
+        head_dim = queries.shape[-1]
+        if not history:
             return False
         kv_heads = history[0][0].shape[1]
-        longest = 0
         for keys, values in history:
             if (keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != head_dim
-                    or keys.shape != values.shape or keys.shape[1] != kv_heads or keys.shape[3] != head_dim
-                    or keys.shape[2] < 1):
+                    or keys.shape != values.shape or keys.shape[1] != kv_heads or keys.shape[3] != head_dim):
                 return False
-            longest = max(longest, keys.shape[2])
-        if (heads % kv_heads or work.numel() < heads // kv_heads * (head_dim + longest) or not work.is_contiguous()
-                or work.data_ptr() % ALIGNMENT):
-            return False
         return self.decode_attention_at(queries, RowsAt([k.data_ptr() for k, _ in history],
                                                         [v.data_ptr() for _, v in history],
                                                         [k.stride(1) for k, _ in history],
@@ -333,7 +326,9 @@ class CpuKernels:
         count, heads, head_dim = queries.shape
         kv_heads = rows.kv_heads
         if (heads % kv_heads or len(rows.lengths) != count or min(rows.lengths) < 1
-                or work.numel() < heads // kv_heads * (head_dim + max(rows.lengths))):
+                or not (queries.is_contiguous() and out.is_contiguous() and lse.is_contiguous())
+                or out.shape != queries.shape or lse.shape != (count, heads) or not work.is_contiguous()
+                or work.data_ptr() % ALIGNMENT or work.numel() < heads // kv_heads * (head_dim + max(rows.lengths))):
             return False
         status = self._lib.tz_decode_attention(count, heads, kv_heads, head_dim, queries.data_ptr(), heads * head_dim,
                                                (ctypes.c_void_p * count)(*rows.keys),
