@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -252,9 +252,7 @@ def _attend_written(step: RowsCache, query: torch.Tensor, written: Written, scal
     rest = [row for row in range(count) if alone[row]]
     if rest:
         every = len(rest) == count
-        part = _attend_at(step, queries if every else queries[rest], at if every else RowsAt(
-            [at.keys[r] for r in rest], [at.values[r] for r in rest], [at.strides[r] for r in rest],
-            [at.lengths[r] for r in rest], at.kv_heads), scale)
+        part = _attend_at(step, queries if every else queries[rest], at if every else at.pick(rest), scale)
         if part is None:
             return None
         out[rest] = part[0]
@@ -290,19 +288,15 @@ def _address_parts(step: RowsCache, written: Written, group: Shared, scale: floa
 
     def shared(stacked: torch.Tensor, native: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         if native:
-            return _attend_at(step, stacked, RowsAt([at.keys[holder]], [at.values[holder]], [at.strides[holder]],
-                                                    [length], at.kv_heads), scale)
+            first = at.pick([holder])
+            return _attend_at(step, stacked, replace(first, lengths=[length]), scale)
         layer = written.layers[holder]  # the flash kernel reads views: this layer's catch up
         assert layer.keys is not None and layer.values is not None
         return _attend_each(step, stacked, [(layer.keys[:, :, :length], layer.values[:, :, :length])], scale,
                             native=False)
 
     def own(mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        skip = length * mine.shape[-1] * 4
-        return _attend_at(step, mine, RowsAt([at.keys[m] + skip for m in group.members],
-                                             [at.values[m] + skip for m in group.members],
-                                             [at.strides[m] for m in group.members],
-                                             [at.lengths[m] - length for m in group.members], at.kv_heads), scale)
+        return _attend_at(step, mine, at.pick(group.members, length, mine.shape[-1]), scale)
 
     return shared, own
 
@@ -334,14 +328,12 @@ def _attend_each(step: RowsCache, queries: torch.Tensor, history: Sequence[tuple
     `[R, heads, head_dim]` and each head's log-sum-exp `[R, heads]`. One native call for all rows where the
     kernels run and `native` (`CpuKernels.decode_attention`, 1.5 times SDPA's speed on cold histories,
     BATCHING.md), else SDPA's flash kernel row by row."""
-    rows, heads, head_dim = queries.shape
-    queries = queries.contiguous()
+    heads, head_dim = queries.shape[1:]
     if step.kernels is not None and native:
-        out, lse = queries.new_empty(queries.shape), queries.new_empty((rows, heads))
-        longest = max(keys.shape[2] for keys, _ in history)
-        work = step.work(heads // history[0][0].shape[1] * (head_dim + longest))
-        if step.kernels.decode_attention(queries, history, scale, out, lse, work):
-            return out, lse
+        rows = step.kernels.rows_at(history, head_dim)
+        done = None if rows is None else _attend_at(step, queries, rows, scale)
+        if done is not None:
+            return done
     outs, lses = [], []
     for query, (keys, values) in zip(queries, history, strict=True):
         kv_heads = keys.shape[1]  # query heads sharing one key/value head attend as more queries of it

@@ -58,6 +58,12 @@ class RowsAt:
     lengths: list[int]
     kv_heads: int
 
+    def pick(self, rows: Sequence[int], skip: int = 0, head_dim: int = 0) -> RowsAt:
+        """Rows `rows` of these, each without its first `skip` rows (of `head_dim` float32s)."""
+        offset = skip * head_dim * 4
+        return RowsAt([self.keys[r] + offset for r in rows], [self.values[r] + offset for r in rows],
+                      [self.strides[r] for r in rows], [self.lengths[r] - skip for r in rows], self.kv_heads)
+
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
@@ -305,19 +311,22 @@ class CpuKernels:
         `heads // kv_heads * (head_dim + max(n_r))` floats. False when the shapes are not ones the kernel takes
         (then nothing was written). One row of many heads per key/value head is many queries over the same
         rows: each row of keys and values is read once for a few of them at a time."""
-        head_dim = queries.shape[-1]
+        rows = self.rows_at(history, queries.shape[-1])
+        return rows is not None and self.decode_attention_at(queries, rows, scale, out, lse, work)
+
+    @staticmethod
+    def rows_at(history: Sequence[tuple[torch.Tensor, torch.Tensor]], head_dim: int) -> RowsAt | None:
+        """The addresses of `history`'s views (`decode_attention`), or None unless each is `[1, kv_heads, n,
+        head_dim]` with rows of head_dim contiguous and keys and values strided alike."""
         if not history:
-            return False
+            return None
         kv_heads = history[0][0].shape[1]
         for keys, values in history:
             if (keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != head_dim
                     or keys.shape != values.shape or keys.shape[1] != kv_heads or keys.shape[3] != head_dim):
-                return False
-        return self.decode_attention_at(queries, RowsAt([k.data_ptr() for k, _ in history],
-                                                        [v.data_ptr() for _, v in history],
-                                                        [k.stride(1) for k, _ in history],
-                                                        [k.shape[2] for k, _ in history], kv_heads),
-                                        scale, out, lse, work)
+                return None
+        return RowsAt([k.data_ptr() for k, _ in history], [v.data_ptr() for _, v in history],
+                      [k.stride(1) for k, _ in history], [k.shape[2] for k, _ in history], kv_heads)
 
     def decode_attention_at(self, queries: torch.Tensor, rows: RowsAt, scale: float, out: torch.Tensor,
                             lse: torch.Tensor, work: torch.Tensor) -> bool:
