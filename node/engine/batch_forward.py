@@ -56,11 +56,9 @@ _NEUTRAL = {"dropout": 0.0, "sliding_window": None, "softcap": None, "s_aux": No
 no effect on one query); with any other value, or one it does not know, rows attend one by one."""
 NATIVE_SHARED_QUERIES = 32
 """Most queries per key/value head (a group's members times query heads per key/value head) whose attention over
-shared rows the native decode attention takes (`scripts/decode_attention_ab.py`, 1k rows, 8 layers). On a Zen 5
-VM it beats SDPA's flash kernel at 8, 16 and 32 queries (2.1 against 3.5 ms, 3.4 against 4.8, 5.9 against 7.4),
-and a whole step of 32 sequences over 1k to 1.5k-token histories takes 38.1 to 47.5 ms against 39.7 to 49.4 ms
-with the flash kernel at 32. On a Zen 4 VM the flash kernel was ahead at 32 (11.0 against 11.4 ms), about 1% of
-such a step."""
+shared rows the native decode attention takes (`scripts/decode_attention_ab.py`, 1k rows, 8 layers). Groups of 16
+and 32 queries take all their scores in one pass over the keys (`decode_head_wide`): on a Zen 4 VM 3.7 to 3.9 ms
+at 16 and 5.8 to 5.9 ms at 32, against 7.7 to 8.4 and 10.7 to 11.3 with SDPA's flash kernel (BATCHING.md)."""
 _HARMLESS = frozenset({"scaling", "position_ids", "cache_position", "output_attentions", "output_router_logits",
                        "use_cache", "is_causal"})
 

@@ -42,10 +42,11 @@ another order differ by about 1e-6."""
 
 
 SCREENED_ROWS = 16
-"""Most greedy rows of a batched decode step whose tokens one pass of the head's int8 screen finds
-(`CpuDecoder.score_rows`). The screen reads a quarter of the head's bytes but does as much arithmetic per row
-as the float32 head; from a few tens of rows the arithmetic costs what the bytes save, and the head runs as one
-GEMM (node/engine/BATCHING.md, "The head of a batched step")."""
+"""Most greedy rows of a batched decode step whose tokens one pass of the head's hand-written int8 screen finds
+(`CpuDecoder.score_rows`), where the CPU has no exact library int8 product. That screen reads a quarter of the
+head's bytes but does as much arithmetic per row as the float32 head; from a few tens of rows the arithmetic
+costs what the bytes save, and the head runs as one GEMM. With the library's int8 product (`Int8Head`) every
+greedy row is screened: its arithmetic is int8 too (node/engine/BATCHING.md, "The head of a batched step")."""
 
 
 class HeadPrediction(Prediction):
@@ -207,9 +208,15 @@ class CpuDecoder:
         assert hidden is not None
         return HeadPrediction(self._kernels, self._head, hidden)
 
+    @property
+    def screens_every_row(self) -> bool:
+        """Whether `score_rows` screens any number of greedy rows (the library's int8 product runs here)."""
+        return self._head.rows is not None
+
     def screens(self, greedy: Sequence[bool]) -> bool:
         """Whether `score_rows` screens a batched step whose rows are greedy where `greedy` says so."""
-        return 0 < sum(greedy) <= SCREENED_ROWS
+        rows = sum(greedy)
+        return 0 < rows and (rows <= SCREENED_ROWS or self.screens_every_row)
 
     @torch.inference_mode()
     def score_rows(self, hidden: torch.Tensor, greedy: Sequence[bool]) -> list[Prediction]:

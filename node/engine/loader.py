@@ -166,7 +166,7 @@ def _cpu_decoder(model: Any) -> tuple[CpuDecoder | None, str]:
         return None, unsupported
     weights = sum(m.weight.numel() * 4 for m in model.modules() if hasattr(m, "in_features"))
     head = getattr(model, "lm_head", None)
-    weights += head.weight.numel() if head is not None else 0  # the head's int8 screen
+    weights += 2 * head.weight.numel() if head is not None else 0  # the head's two int8 screens (at most)
     available = _available_memory()
     if available is not None and weights > available // 2:
         return None, (f"no room for the packed copy of the weights ({weights >> 20} MiB; "

@@ -333,9 +333,10 @@ void score_rows(const float* qs, const float* K, int64_t n, float* S, float* top
   for (int q = 0; q < QB; q++) top[q] = mx[q];
 }
 
-// o[q] = sum_j P[q * n + j] v_j / total[q] for QB queries over n value rows V, each row loaded once for all QB.
+// o[q] = sum_j P[q * p_q + j * p_j] v_j / total[q] for QB queries over n value rows V, each row loaded once for
+// all QB.
 template <int LINES, int QB>
-void weigh_rows(const float* P, const float* V, int64_t n, const float* total, float* o) {
+void weigh_rows(const float* P, int64_t p_q, int64_t p_j, const float* V, int64_t n, const float* total, float* o) {
   constexpr int64_t D = LINES * 16;
   __m512 acc[QB][LINES];
   for (int q = 0; q < QB; q++)
@@ -344,7 +345,7 @@ void weigh_rows(const float* P, const float* V, int64_t n, const float* total, f
     __m512 vv[LINES];
     load_row_ahead<LINES>(V, j, vv);
     for (int q = 0; q < QB; q++) {
-      const __m512 p = _mm512_set1_ps(P[q * n + j]);
+      const __m512 p = _mm512_set1_ps(P[q * p_q + j * p_j]);
       for (int l = 0; l < LINES; l++) acc[q][l] = _mm512_fmadd_ps(p, vv[l], acc[q][l]);
     }
   }
@@ -388,12 +389,65 @@ void decode_head(const float* qs, int64_t group, const float* K, const float* V,
       lse[t + q] = top[q] + logf(total[q]);
     }
     switch (nq) {
-      case 1: weigh_rows<LINES, 1>(St, V, n, total, o + t * D); break;
-      case 2: weigh_rows<LINES, 2>(St, V, n, total, o + t * D); break;
-      case 3: weigh_rows<LINES, 3>(St, V, n, total, o + t * D); break;
-      default: weigh_rows<LINES, QB>(St, V, n, total, o + t * D); break;
+      case 1: weigh_rows<LINES, 1>(St, n, 1, V, n, total, o + t * D); break;
+      case 2: weigh_rows<LINES, 2>(St, n, 1, V, n, total, o + t * D); break;
+      case 3: weigh_rows<LINES, 3>(St, n, 1, V, n, total, o + t * D); break;
+      default: weigh_rows<LINES, QB>(St, n, 1, V, n, total, o + t * D); break;
     }
   }
+}
+
+// RB key rows' scores against every query of a wide group: Qt [LINES * 16, QV * 16] holds the scaled queries
+// transposed, so each key element is broadcast against 16 queries at a time and no sum runs across lanes. Row
+// j + i's scores go to S[(j + i) * QV * 16 ...], and mx keeps each query's largest.
+template <int LINES, int QV, int RB>
+inline void score_block(const float* Qt, const float* K, int64_t j, float* S, __m512* mx) {
+  constexpr int64_t D = LINES * 16, G = QV * 16, AHEAD_ROWS = 16;
+  __m512 acc[RB][QV];
+  for (int i = 0; i < RB; i++)
+    for (int v = 0; v < QV; v++) acc[i][v] = _mm512_setzero_ps();
+  for (int l = 0; l < RB * LINES; l++)
+    _mm_prefetch(reinterpret_cast<const char*>(K + (j + AHEAD_ROWS) * D + l * 16), _MM_HINT_T0);
+  for (int64_t d = 0; d < D; d++) {
+    __m512 qv[QV];
+    for (int v = 0; v < QV; v++) qv[v] = _mm512_load_ps(Qt + d * G + v * 16);
+    for (int i = 0; i < RB; i++) {
+      const __m512 k = _mm512_set1_ps(K[(j + i) * D + d]);
+      for (int v = 0; v < QV; v++) acc[i][v] = _mm512_fmadd_ps(k, qv[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < RB; i++)
+    for (int v = 0; v < QV; v++) {
+      _mm512_storeu_ps(S + (j + i) * G + v * 16, acc[i][v]);
+      mx[v] = _mm512_max_ps(mx[v], acc[i][v]);
+    }
+}
+
+// decode_head for a group of QV * 16 queries q [QV * 16, LINES * 16] (a shared-rows group's, as many as the
+// registers hold): the scores of all of them in one pass over the keys (score_block), then the values read once
+// for every four queries. Qt holds QV * 16 * LINES * 16 floats (64-byte aligned), S n * QV * 16.
+template <int LINES, int QV>
+void decode_head_wide(const float* q, float scale, const float* K, const float* V, int64_t n, float* Qt, float* S,
+                      float* o, float* lse) {
+  constexpr int64_t D = LINES * 16, G = QV * 16;
+  constexpr int RB = 8 / QV;  // rows per block: 8 accumulators
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t d = 0; d < D; d++) Qt[d * G + g] = q[g * D + d] * scale;
+  __m512 mx[QV], sum[QV];
+  for (int v = 0; v < QV; v++) mx[v] = _mm512_set1_ps(-__builtin_inff()), sum[v] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + RB <= n; j += RB) score_block<LINES, QV, RB>(Qt, K, j, S, mx);
+  for (; j < n; j++) score_block<LINES, QV, 1>(Qt, K, j, S, mx);
+  for (j = 0; j < n; j++)  // weights exp(S - max), in place, and their sums
+    for (int v = 0; v < QV; v++) {
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(S + j * G + v * 16), mx[v]));
+      _mm512_storeu_ps(S + j * G + v * 16, e);
+      sum[v] = _mm512_add_ps(sum[v], e);
+    }
+  float top[G], total[G];
+  for (int v = 0; v < QV; v++) _mm512_storeu_ps(top + v * 16, mx[v]), _mm512_storeu_ps(total + v * 16, sum[v]);
+  for (int64_t g = 0; g < G; g++) lse[g] = top[g] + logf(total[g]);
+  for (int64_t t = 0; t < G; t += 4) weigh_rows<LINES, 4>(S + t, 1, G, V, n, total + t, o + t * D);
 }
 
 extern "C" {
@@ -479,49 +533,82 @@ void tz_pack_screen(const float* W, int64_t K, int64_t N, int64_t stride_n, int6
 }
 
 // The index of the largest logit tz_gemm gives for one row x [K] and a packed head (N rows, bias may be null),
-// the first one on a tie, from `screen` (that row's screened logits) and the float32 panels of the few rows it
-// cannot rule out: a screened logit s_n lies within b_n = slack[n] |x| + bias_slack[n] of the float32 one, so
-// only rows with s_n + b_n at least max_m (s_m - b_m) can hold the maximum. Their panels are recomputed by the
-// same tile code as tz_gemm, so the answer is that of the full logits exactly. bias_slack (2 gamma |bias|) may
-// be null. Returns -1 when x or a logit is not finite, -2 when more than max_candidates rows remain.
-static int64_t pick(const float* x, int64_t K, const float* packed, int64_t N, const float* bias, const double* slack,
-                    const double* bias_slack, const float* screen, int64_t max_candidates) {
-  double squares = 0;
-  for (int64_t k = 0; k < K; k++) squares += static_cast<double>(x[k]) * x[k];
-  const double norm = sqrt(squares) * (1 + 1e-9);
-  if (!(norm < __builtin_inf())) return -1;
-  // bounds[n] = b_n in double; 1e-9 of margin covers the double arithmetic here, 1e-30 the float32 underflow of
-  // tiny products. Eight rows a step: this runs over the whole vocabulary on every greedy token.
-  double* bounds = reinterpret_cast<double*>(scratch(2 * N + 16));
-  const __m512d margin = _mm512_set1_pd(1 + 1e-9), tiny = _mm512_set1_pd(1e-30), scaled = _mm512_set1_pd(norm);
+// the first one on a tie, from screened logits v_n that lie within b_n of the float32 ones, and the float32
+// panels of the few rows they cannot rule out: only rows with v_n + b_n at least max_m (v_m - b_m) can hold the
+// maximum. Their panels are recomputed by the same tile code as tz_gemm, so the answer is that of the full
+// logits exactly. Two screens:
+// - tz_head_argmax's (INT false): v_n = screen[n] (bias included), b_n = |x| slack[n] + bias_slack[n].
+// - tz_head_pick's (INT true), codes times a row of int8 codes qx over `unit` (x~ = unit qx): v_n = unit scale[n]
+//   acc[n] + bias[n], exact but for two double roundings, and |v_n - x.w_n - bias[n]| <= |x - x~| |w_n| + |x~|
+//   |w_n - w~_n|, so b_n = (|x - x~| + gamma |x|) norm[n] + |x~| residual[n] + bias_slack[n], gamma covering
+//   tz_gemm's rounding as in tz_pack_screen.
+// bias_slack (2 gamma |bias|) may be null. Returns -1 when x or a logit is not finite, -2 when more than
+// max_candidates rows remain.
+extern "C++" {  // a template, in the middle of the C functions it serves
+template <bool INT>
+static int64_t pick(const float* x, int64_t K, const float* packed, int64_t N, const float* bias, const void* screen,
+                    const float* scale, const int8_t* qx, float unit, const double* slack, const double* residual,
+                    const double* bias_slack, int64_t max_candidates) {
+  double squares = 0, off = 0, coded = 0;
+  for (int64_t k = 0; k < K; k++) {
+    squares += static_cast<double>(x[k]) * x[k];
+    if (INT) {
+      const double approx = static_cast<double>(unit) * qx[k];
+      off += (x[k] - approx) * (x[k] - approx);
+      coded += approx * approx;
+    }
+  }
+  if (!(squares < __builtin_inf())) return -1;
+  const double u = 1.0 / 16777216.0, gamma = (K + 1) * u / (1 - (K + 1) * u);
+  const double a = INT ? sqrt(off) + gamma * sqrt(squares) : sqrt(squares), c = INT ? sqrt(coded) : 0.0;
+  const float* floats = static_cast<const float*>(screen);
+  const int32_t* acc = static_cast<const int32_t*>(screen);
+  // upper[n] = v_n + b_n in double; 1e-9 of margin on b_n covers the double arithmetic here, 1e-30 the float32
+  // underflow of tiny products. Eight rows a step: this runs over the whole vocabulary on every greedy token.
+  double* upper = reinterpret_cast<double*>(scratch(2 * N + 16));
+  const __m512d margin = _mm512_set1_pd(1 + 1e-9), tiny = _mm512_set1_pd(1e-30), a8 = _mm512_set1_pd(a),
+                c8 = _mm512_set1_pd(c), unit8 = _mm512_set1_pd(unit);
   __m512d floor8 = _mm512_set1_pd(-__builtin_inf()), finite8 = _mm512_setzero_pd();
   int64_t n = 0;
   for (; n + 8 <= N; n += 8) {
-    __m512d b = _mm512_mul_pd(_mm512_loadu_pd(slack + n), scaled);
+    __m512d b = _mm512_mul_pd(_mm512_loadu_pd(slack + n), a8), v;
+    if (INT) {
+      b = _mm512_fmadd_pd(_mm512_loadu_pd(residual + n), c8, b);
+      v = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + n))),
+                        _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(scale + n)), unit8));
+      if (bias) v = _mm512_add_pd(v, _mm512_cvtps_pd(_mm256_loadu_ps(bias + n)));
+    } else {
+      v = _mm512_cvtps_pd(_mm256_loadu_ps(floats + n));
+    }
     if (bias_slack) b = _mm512_add_pd(b, _mm512_loadu_pd(bias_slack + n));
     b = _mm512_fmadd_pd(b, margin, tiny);
-    _mm512_storeu_pd(bounds + n, b);
-    const __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(screen + n));
+    _mm512_storeu_pd(upper + n, _mm512_add_pd(v, b));
     finite8 = _mm512_add_pd(finite8, _mm512_sub_pd(v, v));  // NaN once any value is not finite
     floor8 = _mm512_max_pd(floor8, _mm512_sub_pd(v, b));
   }
   double floor = _mm512_reduce_max_pd(floor8);
   bool finite = _mm512_reduce_add_pd(finite8) == 0;
   for (; n < N; n++) {
-    bounds[n] = (slack[n] * norm + (bias_slack ? bias_slack[n] : 0.0)) * (1 + 1e-9) + 1e-30;
-    const double v = screen[n];
+    const double b = (slack[n] * a + (INT ? residual[n] * c : 0.0) + (bias_slack ? bias_slack[n] : 0.0)) *
+                     (1 + 1e-9) + 1e-30;
+    const double v = INT ? static_cast<double>(unit) * scale[n] * acc[n] + (bias ? bias[n] : 0.0f) : floats[n];
     finite &= v - v == 0;
-    floor = v - bounds[n] > floor ? v - bounds[n] : floor;
+    floor = v - b > floor ? v - b : floor;
+    upper[n] = v + b;
   }
   if (!finite) return -1;
   int64_t candidates[64];
   int64_t found = 0;
   if (max_candidates > 64) max_candidates = 64;
-  for (n = 0; n < N; n++)
-    if (screen[n] + bounds[n] >= floor) {
+  const __m512d floors = _mm512_set1_pd(floor);
+  for (n = 0; n < N; n += 8) {  // eight at a time: few pass
+    const __mmask8 within = N - n >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (N - n)) - 1);
+    for (unsigned hits = _mm512_mask_cmp_pd_mask(within, _mm512_maskz_loadu_pd(within, upper + n), floors, _CMP_GE_OQ);
+         hits; hits &= hits - 1) {
       if (found == max_candidates) return -2;
-      candidates[found++] = n;
+      candidates[found++] = n + __builtin_ctz(hits);
     }
+  }
   float* At = scratch(K * 16);  // x laid out as tz_gemm lays out one row of A (bounds are no longer needed)
   for (int64_t k = 0; k < K; k++) At[k * 16] = x[k];
   float exact[NR];
@@ -541,6 +628,7 @@ static int64_t pick(const float* x, int64_t K, const float* packed, int64_t N, c
   }
   return best;
 }
+}  // extern "C++"
 
 // tz_head_argmax for M rows of x (x_st floats apart), each its own index in out[M]: the int8 screen of every
 // head row is read once for all of them, SCREEN_ROWS rows of x at a time. `screen` is scratch for M * N floats.
@@ -555,7 +643,20 @@ void tz_head_argmax(const float* x, int64_t M, int64_t x_st, int64_t K, const fl
           N - p * NR < NR ? N - p * NR : NR, screen + r * N + p * NR, N,
           r == 0 && p + SCREEN_AHEAD < panels ? codes + (p + SCREEN_AHEAD) * K * NR : nullptr);
   for (int64_t r = 0; r < M; r++)
-    out[r] = pick(x + r * x_st, K, packed, N, bias, slack, bias_slack, screen + r * N, max_candidates);
+    out[r] = pick<false>(x + r * x_st, K, packed, N, bias, screen + r * N, nullptr, nullptr, 0, slack, nullptr,
+                         bias_slack, max_candidates);
+}
+
+// tz_head_argmax for M rows of x from an int8 screen computed elsewhere (a library's int8 matrix product):
+// acc[r, n] = sum_k qx[r, k] codes[n, k] exactly, x~_r = unit[r] qx[r] and w~_n = scale[n] codes[n]; norm[n] =
+// |w_n| and residual[n] = |w_n - w~_n|, in double (see pick).
+void tz_head_pick(const float* x, int64_t M, int64_t x_st, int64_t K, const float* packed, int64_t N,
+                  const float* bias, const int32_t* acc, const int8_t* qx, const float* unit, const float* scale,
+                  const double* norm, const double* residual, const double* bias_slack, int64_t max_candidates,
+                  int64_t* out) {
+  for (int64_t r = 0; r < M; r++)
+    out[r] = pick<true>(x + r * x_st, K, packed, N, bias, acc + r * N, scale, qx + r * K, unit[r], norm, residual,
+                        bias_slack, max_candidates);
 }
 
 // Causal attention of T queries at positions start..start+T-1 over keys 0..L-1 (L = start + T), for H
@@ -692,11 +793,16 @@ int tz_decode_attention(int64_t R, int64_t H, int64_t Hkv, int64_t D, const floa
   for (int64_t r = 0; r < R; r++)
     for (int64_t g = 0; g < Hkv; g++) {
       const float* qr = q + r * q_st + g * group * D;
-      for (int64_t i = 0; i < group * D; i++) qs[i] = qr[i] * scale;
       const float* K = keys[r] + g * head_stride[r];
       const float* V = values[r] + g * head_stride[r];
       float* o = out + r * o_st + g * group * D;
       float* l = lse + r * H + g * group;
+      if (D == 64 && (group == 16 || group == 32)) {  // a shared-rows group's queries: all at once
+        if (group == 16) decode_head_wide<4, 1>(qr, scale, K, V, lengths[r], qs, S, o, l);
+        else decode_head_wide<4, 2>(qr, scale, K, V, lengths[r], qs, S, o, l);
+        continue;
+      }
+      for (int64_t i = 0; i < group * D; i++) qs[i] = qr[i] * scale;
       switch (D) {
         case 16: decode_head<1>(qs, group, K, V, lengths[r], S, o, l); break;
         case 32: decode_head<2>(qs, group, K, V, lengths[r], S, o, l); break;

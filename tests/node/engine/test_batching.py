@@ -370,23 +370,25 @@ def test_a_step_over_shared_rows_gives_each_sequence_its_own_logits(small_model_
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
 
 
-@pytest.mark.parametrize("rows", [3, 17])
-def test_a_steps_greedy_rows_take_their_tokens_from_one_screen_of_the_head(small_model_dir: Path, rows: int) -> None:
-    """With the CPU decoder, the greedy rows of a batched step (at most SCREENED_ROWS of them) get the argmax of
-    their own logits from one screen of the head, without logits; the other rows' logits are those of the plain
-    step. With more greedy rows every row's logits come from the model's head."""
+@pytest.mark.parametrize(("rows", "all_greedy"), [(3, False), (17, True), (40, False)])
+def test_a_steps_greedy_rows_take_their_tokens_from_one_screen_of_the_head(small_model_dir: Path, rows: int,
+                                                                           all_greedy: bool) -> None:
+    """With the CPU decoder, the greedy rows of a batched step (at most SCREENED_ROWS of them, or any number where
+    the library's int8 product screens) get the argmax of their own logits from one screen of the head, without
+    logits; the other rows' logits are those of the plain step. With more greedy rows than a screen takes every
+    row's logits come from the model's head."""
     loaded = load_model("small", small_model_dir)
     if loaded.decoder is None:
         pytest.skip(f"no CPU decoder: {loaded.forward_path.reason}")
     prompts = [tokens(i, 5 + 7 * i) for i in range(rows)]
-    greedy = [rows > SCREENED_ROWS or row % 3 != 1 for row in range(rows)]
+    greedy = [all_greedy or row % 3 != 1 for row in range(rows)]
     steps = [5 + row for row in range(rows)], [len(prompt) for prompt in prompts]
     logits = BatchedDecode(loaded.model).step(*steps, [prefilled(loaded, p, lane) for lane, p in enumerate(prompts)],
                                               loaded.device)
     caches = [prefilled(loaded, prompt, rows + lane) for lane, prompt in enumerate(prompts)]
     predictions = loaded.step(BatchedDecode(loaded.model), *steps, caches, (), greedy)
     screened = loaded.decoder.screens(greedy)
-    assert screened == (rows == 3)
+    assert screened == (sum(greedy) <= SCREENED_ROWS or loaded.decoder.screens_every_row)
     for row, prediction in enumerate(predictions):
         assert (isinstance(prediction, RowPrediction) and prediction.index is not None) == (screened and greedy[row])
         assert prediction.greedy() == int(logits[row].argmax())

@@ -119,9 +119,9 @@ def test_loader_serves_the_small_model_through_the_decoder_on_one_thread(
     assert loaded.forward_path.name == "native"
     assert loaded.forward_path.reason.endswith("checked against transformers' forward at load")
     monkeypatch.setattr(loader, "_available_memory", lambda: 2 * 1024 * 1024)
-    roomless = load_model("small", small_model_dir)  # no room for a packed copy of its weights and head screen
+    roomless = load_model("small", small_model_dir)  # no room for a packed copy of its weights and head screens
     assert roomless.decoder is None and roomless.forward_path == loader.ForwardPath(
-        "transformers", "no room for the packed copy of the weights (10 MiB; 2 MiB of memory available)")
+        "transformers", "no room for the packed copy of the weights (12 MiB; 2 MiB of memory available)")
     monkeypatch.setattr(loader, "_available_memory", lambda: None)
     assert load_model("small", small_model_dir).decoder is not None
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from node.engine import cpu_kernels
-from node.engine.cpu_kernels import CpuKernels, PackedHead, RowsAt, load_kernels
+from node.engine.cpu_kernels import LIBRARY_SCREEN_ROWS, CpuKernels, PackedHead, RowsAt, load_kernels
 
 TOLERANCE = 1e-5
 """Float32 sums taken in another order: relative to the largest |value| of the reference."""
@@ -88,16 +89,34 @@ def adversarial_head(generator: torch.Generator, rows: int, inputs: int) -> torc
     return weight
 
 
+SCREENS = ["hand-written", "library"]
+"""`head_argmax`'s two screens: int8 codes of the head times float32 x (`tz_head_argmax`), and the library's int8
+product of codes of both (`torch._int_mm`, then `tz_head_pick`) from LIBRARY_SCREEN_ROWS rows."""
+
+
+def screened(kernels: CpuKernels, x: torch.Tensor, head: PackedHead, screen: str) -> list[int | None]:
+    """`head_argmax` of x's rows through `screen`: the library's with x's last row repeated up to
+    LIBRARY_SCREEN_ROWS rows where x has fewer."""
+    if screen == "hand-written":
+        return kernels.head_argmax(x, replace(head, rows=None))
+    if head.rows is None:
+        pytest.skip("this CPU has no exact library int8 product (no VNNI or AMX): the hand-written screen serves")
+    short = LIBRARY_SCREEN_ROWS - x.shape[0]
+    padded = torch.cat([x, x[-1:].expand(short, -1)]) if short > 0 else x
+    return kernels.head_argmax(padded, head)[:x.shape[0]]
+
+
 def head_logits(kernels: CpuKernels, x: torch.Tensor, head: PackedHead) -> torch.Tensor:
     logits = torch.empty(1, head.out_features)
     kernels.gemm(x.unsqueeze(0), head.weight, logits)
     return logits[0]
 
 
+@pytest.mark.parametrize("screen", SCREENS)
 @pytest.mark.parametrize(("rows", "inputs", "with_bias"), [(1000, 64, False), (333, 95, True), (4100, 512, False),
                                                            (700, 37, False)])
 def test_head_argmax_is_the_argmax_of_the_float32_logits(kernels: CpuKernels, rows: int, inputs: int,
-                                                         with_bias: bool) -> None:
+                                                         with_bias: bool, screen: str) -> None:
     """The int8 screen picks exactly the token of the full float32 logits, ties and rows that only the low
     bits tell apart included, and decides by itself (no fallback) on ordinary inputs."""
     generator = torch.Generator().manual_seed(rows + inputs)
@@ -110,10 +129,11 @@ def test_head_argmax_is_the_argmax_of_the_float32_logits(kernels: CpuKernels, ro
             x = weight[[3, 7, rows - 1][trial % 9 // 3]].clone() * 20  # aimed at the tied and nudged rows
         logits = head_logits(kernels, x, head)
         assert close(logits, weight @ x + (bias if bias is not None else 0))
-        assert kernels.head_argmax(x.unsqueeze(0), head) == [int(torch.argmax(logits))], trial
+        assert screened(kernels, x.unsqueeze(0), head, screen) == [int(torch.argmax(logits))], trial
 
 
-def test_head_argmax_finds_a_row_the_screen_ranks_below_another(kernels: CpuKernels) -> None:
+@pytest.mark.parametrize("screen", SCREENS)
+def test_head_argmax_finds_a_row_the_screen_ranks_below_another(kernels: CpuKernels, screen: str) -> None:
     """Rows built so that int8 rounding reverses their order: row 1 screens 0.01 above row 2 but is 0.009
     below it in float32. Only a bound that covers the rounding keeps row 2 a candidate."""
     generator = torch.Generator().manual_seed(6)
@@ -125,18 +145,20 @@ def test_head_argmax_finds_a_row_the_screen_ranks_below_another(kernels: CpuKern
     x = torch.tensor([0.0, 1.0, 1.0, 0, 0, 0, 0, 0])
     logits = head_logits(kernels, x, head)
     assert int(torch.argmax(logits)) == 2
-    assert kernels.head_argmax(x.unsqueeze(0), head) == [2]
+    assert screened(kernels, x.unsqueeze(0), head, screen) == [2]
 
 
-def test_head_argmax_leaves_undecidable_inputs_to_the_caller(kernels: CpuKernels) -> None:
+@pytest.mark.parametrize("screen", SCREENS)
+def test_head_argmax_leaves_undecidable_inputs_to_the_caller(kernels: CpuKernels, screen: str) -> None:
     generator = torch.Generator().manual_seed(2)
     head = kernels.pack_head(torch.randn(500, 64, generator=generator))
-    assert kernels.head_argmax(torch.zeros(1, 64), head) == [None]  # every logit ties: more candidates than allowed
+    zeros = torch.zeros(1, 64)
+    assert screened(kernels, zeros, head, screen) == [None]  # every logit ties: more candidates than allowed
     x = torch.randn(64, generator=generator)
     x[5] = float("nan")
-    assert kernels.head_argmax(x.unsqueeze(0), head) == [None]
+    assert screened(kernels, x.unsqueeze(0), head, screen) == [None]
     x[5] = float("inf")
-    assert kernels.head_argmax(x.unsqueeze(0), head) == [None]
+    assert screened(kernels, x.unsqueeze(0), head, screen) == [None]
 
 
 def test_gemm_reads_strided_rows_and_transposed_weights(kernels: CpuKernels) -> None:
@@ -187,11 +209,13 @@ def test_attention_rescales_when_later_keys_score_higher(kernels: CpuKernels) ->
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
-                         [(4, 2, 16), (8, 8, 64), (8, 2, 32), (4, 1, 128), (22, 2, 64), (11, 1, 32), (9, 1, 128)])
+                         [(4, 2, 16), (8, 8, 64), (8, 2, 32), (4, 1, 128), (22, 2, 64), (11, 1, 32), (9, 1, 128),
+                          (32, 2, 64), (32, 1, 64)])
 def test_decode_attention_matches_sdpa_row_by_row(kernels: CpuKernels, heads: int, kv_heads: int,
                                                   head_dim: int) -> None:
     """Five rows, each one query over its own history (1 to 700 keys, views of longer buffers as lanes hold
-    them): the outputs SDPA gives each row alone, and each head's log-sum-exp of its scaled scores."""
+    them): the outputs SDPA gives each row alone, and each head's log-sum-exp of its scaled scores. 16 and 32
+    queries per key/value head are a shared-rows group's, which take all their scores in one pass."""
     generator = torch.Generator().manual_seed(heads * head_dim + kv_heads)
     lengths = [1, 5, 64, 333, 700]
     history = [(torch.randn(1, kv_heads, n + 11, head_dim, generator=generator)[:, :, :n],
@@ -310,8 +334,33 @@ def test_rmsnorm_rope_and_silu_match_torch(kernels: CpuKernels) -> None:
     assert close(out, F.silu(gate_up[:, :40]) * gate_up[:, 40:])
 
 
+def test_the_library_screen_needs_exact_int8_products(kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A product that adds pairs of u8 x s8 products in 16 bits (AVX-512 without VNNI) saturates on full-scale
+    codes: the check at packing finds it, and so does a CPU without int8 dot products."""
+    generator = torch.Generator().manual_seed(4)
+    codes = torch.randint(-127, 128, (40, 64), generator=generator, dtype=torch.int8).t()
+    if cpu_kernels.INT8_FLAGS[0] in (cpu_kernels._cpu_flags() or ()):
+        assert cpu_kernels.int8_products_exact(codes)
+
+    def saturating(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        products = (a.int() + 128)[:, :, None] * b.int()[None]
+        pairs = (products[:, 0::2] + products[:, 1::2]).clamp(-32768, 32767)
+        return pairs.sum(1) - 128 * b.int().sum(0)
+
+    small = codes // 4  # pairs within 16 bits: the emulation is the exact product
+    assert torch.equal(saturating(codes.t()[:3], small), codes.t()[:3].int() @ small.int())
+    monkeypatch.setattr(torch, "_int_mm", saturating)
+    assert not cpu_kernels.int8_products_exact(codes)
+    weight = torch.randn(40, 64, generator=generator)
+    assert kernels.pack_head(weight).rows is None
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset(cpu_kernels.REQUIRED_FLAGS))
+    assert kernels.pack_head(weight).rows is None
+
+
+@pytest.mark.parametrize("screen", SCREENS)
 @pytest.mark.parametrize("rows", [2, 8, 11, 17])
-def test_head_argmax_of_many_rows_gives_each_rows_own_argmax(kernels: CpuKernels, rows: int) -> None:
+def test_head_argmax_of_many_rows_gives_each_rows_own_argmax(kernels: CpuKernels, rows: int, screen: str) -> None:
     """One pass of the screen over several rows of x, the undecidable among them left to the caller alone."""
     generator = torch.Generator().manual_seed(rows)
     weight = adversarial_head(generator, 700, 64)
@@ -319,9 +368,9 @@ def test_head_argmax_of_many_rows_gives_each_rows_own_argmax(kernels: CpuKernels
     x = torch.randn(rows, 64, generator=generator) * 3
     x[1] = weight[7] * 20  # aimed at a nudged row
     x[rows - 1, 5] = float("nan")
-    expected = [kernels.head_argmax(row.unsqueeze(0), head)[0] for row in x]
-    assert expected[:-1] == [int(torch.argmax(head_logits(kernels, row, head))) for row in x[:-1]]
-    assert kernels.head_argmax(x, head) == expected[:-1] + [None]
-    wide = torch.zeros(rows, 96)
-    wide[:, :64] = x
-    assert kernels.head_argmax(wide[:, :64], head) == expected[:-1] + [None]  # rows 96 floats apart
+    expected = [int(torch.argmax(head_logits(kernels, row, head))) for row in x[:-1]] + [None]
+    assert screened(kernels, x, head, screen) == expected
+    wide = torch.zeros(max(rows, LIBRARY_SCREEN_ROWS), 96)
+    wide[:rows, :64] = x
+    wide[rows:, :64] = x[0]
+    assert screened(kernels, wide[:, :64], head, screen)[:rows] == expected  # rows 96 floats apart
