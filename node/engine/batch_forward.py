@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ from transformers.cache_utils import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from cache.working_cache import GrowableKVLayer
-from node.engine.cpu_kernels import CpuKernels, RowsAt
+from node.engine.cpu_kernels import CpuKernels, RowsAt, decode_work_floats
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 """SDPA's CPU flash kernel, which also returns each query's log-sum-exp (what merging two parts needs)."""
@@ -233,29 +233,21 @@ def _scale(query: torch.Tensor, kwargs: dict[str, Any]) -> float:
 
 
 def _attend_written(step: RowsCache, query: torch.Tensor, written: Written, scale: float) -> torch.Tensor | None:
-    """`_rows_attention`'s native path over histories by address (`Written`): each group's shared rows once,
-    every other row's history alone, without a tensor view per row. Returns `[rows, 1, heads, head_dim]`, or None
-    where a native call declines (the caller goes on with the layers' views)."""
+    """`_rows_attention`'s native path over histories by address (`Written`): one call for the layer, each group's
+    shared rows once for all its members' queries, every row's own rows alone, without a tensor view per row
+    (`CpuKernels.decode_attention_groups`). Returns `[rows, 1, heads, head_dim]`, or None where the call declines
+    (the caller goes on with the layers' views)."""
+    assert step.kernels is not None
     count, at = len(written), written.at
-    queries = query.reshape(count, query.shape[1], query.shape[-1])
-    out = queries.new_empty(queries.shape)
-    alone = [True] * count
-    for group in step.shared:
-        merged = _attend_shared(queries, group, at.kv_heads, *_address_parts(step, written, group, scale))
-        if merged is None:
-            return None
-        out[list(group.members)] = merged.reshape(len(group.members), *queries.shape[1:])
-        for member in group.members:
-            alone[member] = False
-    rest = [row for row in range(count) if alone[row]]
-    if rest:
-        every = len(rest) == count
-        part = _attend_at(step, queries if every else queries[rest], at if every else at.pick(rest), scale)
-        if part is None:
-            return None
-        out[rest] = part[0]
-    step.shared_rows += count - len(rest)
-    return out.reshape(count, 1, *queries.shape[1:])
+    queries = query.reshape(count, query.shape[1], query.shape[-1]).contiguous()
+    heads, head_dim = queries.shape[1:]
+    out, lse = queries.new_empty(queries.shape), queries.new_empty((count, heads))
+    work = step.work(decode_work_floats(heads, at.kv_heads, head_dim, max(at.lengths)))
+    groups = [(group.members, group.length) for group in step.shared]
+    if not step.kernels.decode_attention_groups(queries, at, groups, scale, out, lse, work):
+        return None
+    step.shared_rows += sum(len(group.members) for group in step.shared)
+    return out.reshape(count, 1, heads, head_dim)
 
 
 Part = Callable[..., "tuple[torch.Tensor, torch.Tensor] | None"]
@@ -279,26 +271,6 @@ def _tensor_parts(step: RowsCache, history: list[tuple[torch.Tensor, torch.Tenso
     return shared, own
 
 
-def _address_parts(step: RowsCache, written: Written, group: Shared, scale: float) -> tuple[Part, Part]:
-    """A group's two parts (`_attend_shared`) by address: a member's own rows start `length` rows into its
-    buffers' heads (float32 rows of head_dim, as `RowsCache._write` checked)."""
-    at, holder, length = written.at, group.members[0], group.length
-
-    def shared(stacked: torch.Tensor, native: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if native:
-            first = at.pick([holder])
-            return _attend_at(step, stacked, replace(first, lengths=[length]), scale)
-        layer = written.layers[holder]  # the flash kernel reads views: this layer's catch up
-        assert layer.keys is not None and layer.values is not None
-        return _attend_each(step, stacked, [(layer.keys[:, :, :length], layer.values[:, :, :length])], scale,
-                            native=False)
-
-    def own(mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return _attend_at(step, mine, at.pick(group.members, length, mine.shape[-1]), scale)
-
-    return shared, own
-
-
 def _attend_at(step: RowsCache, queries: torch.Tensor, rows: RowsAt, scale: float
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`_attend_each`'s native call over rows by address; None where it declines."""
@@ -306,7 +278,7 @@ def _attend_at(step: RowsCache, queries: torch.Tensor, rows: RowsAt, scale: floa
     queries = queries.contiguous()
     count, heads, head_dim = queries.shape
     out, lse = queries.new_empty(queries.shape), queries.new_empty((count, heads))
-    work = step.work(heads // rows.kv_heads * (head_dim + max(rows.lengths)))
+    work = step.work(decode_work_floats(heads, rows.kv_heads, head_dim, max(rows.lengths)))
     return (out, lse) if step.kernels.decode_attention_at(queries, rows, scale, out, lse, work) else None
 
 

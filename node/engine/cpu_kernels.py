@@ -35,6 +35,8 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
                       _i64, _ptr], ctypes.c_int),
     "tz_decode_attention": ([_i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _i64, _ptr, _ptr],
                             ctypes.c_int),
+    "tz_decode_attention_groups": ([_i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
+                                    _f32, _ptr, _i64, _ptr, _ptr, _i64], ctypes.c_int),
     "tz_append_rows": ([_i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr], None),
     "tz_pack_screen": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr], None),
     "tz_head_argmax": ([_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr], None),
@@ -59,12 +61,6 @@ class RowsAt:
     strides: list[int]
     lengths: list[int]
     kv_heads: int
-
-    def pick(self, rows: Sequence[int], skip: int = 0, head_dim: int = 0) -> RowsAt:
-        """Rows `rows` of these, each without its first `skip` rows (of `head_dim` float32s)."""
-        offset = skip * head_dim * 4
-        return RowsAt([self.keys[r] + offset for r in rows], [self.values[r] + offset for r in rows],
-                      [self.strides[r] for r in rows], [self.lengths[r] - skip for r in rows], self.kv_heads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +133,12 @@ def int8_products_exact(codes: torch.Tensor, generator_seed: int = 0) -> bool:
     extreme = (torch.randint(0, 2, codes.shape, generator=generator, dtype=torch.int8) * 2 - 1) * 127
     return all(torch.equal(torch._int_mm(x, right).double(), x.double() @ right.double())
                for right in (codes, extreme))
+
+
+def decode_work_floats(heads: int, kv_heads: int, head_dim: int, longest: int) -> int:
+    """Scratch floats the native decode attention needs (`tz_decode_attention_groups`, which needs the most): for
+    a chunk of up to `max(32, heads // kv_heads)` queries, their scaled and gathered copies, outputs and scores."""
+    return max(32, heads // kv_heads) * (3 * head_dim + 4 + longest)
 
 
 def _aligned_empty(count: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -380,7 +382,7 @@ class CpuKernels:
         `[R, heads, head_dim]` contiguous, `history[r]` row r's keys and values `[1, kv_heads, n_r, head_dim]`
         with contiguous rows; out `[R, heads, head_dim]` and each head's log-sum-exp of its scaled scores, lse
         `[R, heads]`, both contiguous. `work` (zeroed by its owner, 64-byte aligned) holds at least
-        `heads // kv_heads * (head_dim + max(n_r))` floats. False when the shapes are not ones the kernel takes
+        `decode_work_floats` floats. False when the shapes are not ones the kernel takes
         (then nothing was written). One row of many heads per key/value head is many queries over the same
         rows: each row of keys and values is read once for a few of them at a time."""
         rows = self.rows_at(history, queries.shape[-1])
@@ -409,7 +411,8 @@ class CpuKernels:
         if (heads % kv_heads or len(rows.lengths) != count or min(rows.lengths) < 1
                 or not (queries.is_contiguous() and out.is_contiguous() and lse.is_contiguous())
                 or out.shape != queries.shape or lse.shape != (count, heads) or not work.is_contiguous()
-                or work.data_ptr() % ALIGNMENT or work.numel() < heads // kv_heads * (head_dim + max(rows.lengths))):
+                or work.data_ptr() % ALIGNMENT
+                or work.numel() < decode_work_floats(heads, kv_heads, head_dim, max(rows.lengths))):
             return False
         status = self._lib.tz_decode_attention(count, heads, kv_heads, head_dim, queries.data_ptr(), heads * head_dim,
                                                (ctypes.c_void_p * count)(*rows.keys),
@@ -417,6 +420,35 @@ class CpuKernels:
                                                (ctypes.c_int64 * count)(*rows.strides),
                                                (ctypes.c_int64 * count)(*rows.lengths), scale,
                                                out.data_ptr(), heads * head_dim, lse.data_ptr(), work.data_ptr())
+        return bool(status == 0)
+
+    def decode_attention_groups(self, queries: torch.Tensor, rows: RowsAt, groups: Sequence[tuple[Sequence[int], int]],
+                                scale: float, out: torch.Tensor, lse: torch.Tensor, work: torch.Tensor) -> bool:
+        """`decode_attention_at` where each of `groups`, (members, length), is rows whose histories begin with the
+        same `length` rows (value for value; each member has at least one more): those are read once, from the
+        first member's buffers, for all the members' queries, and merged with each member's own rest. One call for
+        a layer of a decode step; False (nothing written) for shapes or groups the kernel does not take."""
+        count, heads, head_dim = queries.shape
+        kv_heads = rows.kv_heads
+        group = [-1] * count
+        for index, (members, _) in enumerate(groups):
+            for member in members:
+                if not 0 <= member < count or group[member] != -1:
+                    return False
+                group[member] = index
+        if (heads % kv_heads or len(rows.lengths) != count or min(rows.lengths) < 1
+                or not (queries.is_contiguous() and out.is_contiguous() and lse.is_contiguous())
+                or out.shape != queries.shape or lse.shape != (count, heads) or not work.is_contiguous()
+                or work.data_ptr() % ALIGNMENT or any(len(members) < 2 for members, _ in groups)):
+            return False
+        size = len(groups)
+        status = self._lib.tz_decode_attention_groups(
+            count, heads, kv_heads, head_dim, queries.data_ptr(), heads * head_dim,
+            (ctypes.c_void_p * count)(*rows.keys), (ctypes.c_void_p * count)(*rows.values),
+            (ctypes.c_int64 * count)(*rows.strides), (ctypes.c_int64 * count)(*rows.lengths),
+            (ctypes.c_int64 * count)(*group), size, (ctypes.c_int64 * size)(*(members[0] for members, _ in groups)),
+            (ctypes.c_int64 * size)(*(length for _, length in groups)), scale, out.data_ptr(), heads * head_dim,
+            lse.data_ptr(), work.data_ptr(), work.numel())
         return bool(status == 0)
 
     def append_rows(self, keys: torch.Tensor, values: torch.Tensor, rows: RowsAt, positions: Sequence[int]) -> bool:

@@ -423,16 +423,17 @@ inline void score_block(const float* Qt, const float* K, int64_t j, float* S, __
     }
 }
 
-// decode_head for a group of QV * 16 queries q [QV * 16, LINES * 16] (a shared-rows group's, as many as the
-// registers hold): the scores of all of them in one pass over the keys (score_block), then the values read once
-// for every four queries. Qt holds QV * 16 * LINES * 16 floats (64-byte aligned), S n * QV * 16.
+// decode_head for `count` queries q [count, LINES * 16] (unscaled), at most QV * 16 of them (a shared-rows
+// group's, as many as the registers hold): the scores of all of them in one pass over the keys (score_block, the
+// columns past `count` zero), then the values read once for every four queries. Qt holds QV * 16 * LINES * 16
+// floats (64-byte aligned), S n * QV * 16.
 template <int LINES, int QV>
-void decode_head_wide(const float* q, float scale, const float* K, const float* V, int64_t n, float* Qt, float* S,
-                      float* o, float* lse) {
+void decode_head_wide(const float* q, int64_t count, float scale, const float* K, const float* V, int64_t n,
+                      float* Qt, float* S, float* o, float* lse) {
   constexpr int64_t D = LINES * 16, G = QV * 16;
   constexpr int RB = 8 / QV;  // rows per block: 8 accumulators
   for (int64_t g = 0; g < G; g++)
-    for (int64_t d = 0; d < D; d++) Qt[d * G + g] = q[g * D + d] * scale;
+    for (int64_t d = 0; d < D; d++) Qt[d * G + g] = g < count ? q[g * D + d] * scale : 0.0f;
   __m512 mx[QV], sum[QV];
   for (int v = 0; v < QV; v++) mx[v] = _mm512_set1_ps(-__builtin_inff()), sum[v] = _mm512_setzero_ps();
   int64_t j = 0;
@@ -446,8 +447,33 @@ void decode_head_wide(const float* q, float scale, const float* K, const float* 
     }
   float top[G], total[G];
   for (int v = 0; v < QV; v++) _mm512_storeu_ps(top + v * 16, mx[v]), _mm512_storeu_ps(total + v * 16, sum[v]);
-  for (int64_t g = 0; g < G; g++) lse[g] = top[g] + logf(total[g]);
-  for (int64_t t = 0; t < G; t += 4) weigh_rows<LINES, 4>(S + t, 1, G, V, n, total + t, o + t * D);
+  for (int64_t g = 0; g < count; g++) lse[g] = top[g] + logf(total[g]);
+  for (int64_t t = 0; t < count; t += 4) switch (count - t) {
+      case 1: weigh_rows<LINES, 1>(S + t, 1, G, V, n, total + t, o + t * D); break;
+      case 2: weigh_rows<LINES, 2>(S + t, 1, G, V, n, total + t, o + t * D); break;
+      case 3: weigh_rows<LINES, 3>(S + t, 1, G, V, n, total + t, o + t * D); break;
+      default: weigh_rows<LINES, 4>(S + t, 1, G, V, n, total + t, o + t * D); break;
+    }
+}
+
+// `count` queries q [count, D] (unscaled, contiguous) of one key/value head over its n rows K, V: outputs o
+// [count, D], log-sum-exps l [count]. More than 8 and at most 32 queries of 64 floats (a shared-rows group's)
+// take their scores in one pass (decode_head_wide), others a few at a time (decode_head). qs holds
+// max(count, 32) * D floats (64-byte aligned), S max(count, 32) * n.
+void attend_head(const float* q, int64_t count, int64_t D, float scale, const float* K, const float* V, int64_t n,
+                 float* qs, float* S, float* o, float* l) {
+  if (D == 64 && count > 8 && count <= 32) {
+    if (count <= 16) decode_head_wide<4, 1>(q, count, scale, K, V, n, qs, S, o, l);
+    else decode_head_wide<4, 2>(q, count, scale, K, V, n, qs, S, o, l);
+    return;
+  }
+  for (int64_t i = 0; i < count * D; i++) qs[i] = q[i] * scale;
+  switch (D) {
+    case 16: decode_head<1>(qs, count, K, V, n, S, o, l); break;
+    case 32: decode_head<2>(qs, count, K, V, n, S, o, l); break;
+    case 64: decode_head<4>(qs, count, K, V, n, S, o, l); break;
+    default: decode_head<8>(qs, count, K, V, n, S, o, l); break;
+  }
 }
 
 extern "C" {
@@ -788,28 +814,83 @@ int tz_decode_attention(int64_t R, int64_t H, int64_t Hkv, int64_t D, const floa
     if (lengths[r] < 1) return -1;
   FlushDenormals flush;
   const int64_t group = H / Hkv;
-  float* qs = work;  // 64-byte aligned (a fresh torch tensor's storage)
-  float* S = work + group * D;
+  float* qs = work;  // 64-byte aligned (a fresh torch tensor's storage), as wide as attend_head's
+  float* S = work + (group > 32 ? group : 32) * D;
   for (int64_t r = 0; r < R; r++)
     for (int64_t g = 0; g < Hkv; g++) {
       const float* qr = q + r * q_st + g * group * D;
-      const float* K = keys[r] + g * head_stride[r];
-      const float* V = values[r] + g * head_stride[r];
-      float* o = out + r * o_st + g * group * D;
-      float* l = lse + r * H + g * group;
-      if (D == 64 && (group == 16 || group == 32)) {  // a shared-rows group's queries: all at once
-        if (group == 16) decode_head_wide<4, 1>(qr, scale, K, V, lengths[r], qs, S, o, l);
-        else decode_head_wide<4, 2>(qr, scale, K, V, lengths[r], qs, S, o, l);
-        continue;
-      }
-      for (int64_t i = 0; i < group * D; i++) qs[i] = qr[i] * scale;
-      switch (D) {
-        case 16: decode_head<1>(qs, group, K, V, lengths[r], S, o, l); break;
-        case 32: decode_head<2>(qs, group, K, V, lengths[r], S, o, l); break;
-        case 64: decode_head<4>(qs, group, K, V, lengths[r], S, o, l); break;
-        default: decode_head<8>(qs, group, K, V, lengths[r], S, o, l); break;
+      attend_head(qr, group, D, scale, keys[r] + g * head_stride[r], values[r] + g * head_stride[r], lengths[r], qs,
+                  S, out + r * o_st + g * group * D, lse + r * H + g * group);
+    }
+  return 0;
+}
+
+// tz_decode_attention where rows form groups whose histories begin with the same rows (the same values in
+// every member's buffers): row r is in group[r] (or none, -1), and group i's first shared[i] rows, read from
+// the buffers of its row holder[i], are attended once for the queries of all its members, chunks of at most
+// max(32, H / Hkv) queries at a time; each member's own rest (its rows from shared[i] on, at least one) is
+// attended alone, and the two merged by their log-sum-exps. out and lse as in tz_decode_attention (lse the
+// merged one). `work` holds work_floats floats, 64-byte aligned: at least max(32, H / Hkv) * (3 D + 4 +
+// max(lengths)). Returns -1, having written nothing, for a shape or grouping it does not take.
+int tz_decode_attention_groups(int64_t R, int64_t H, int64_t Hkv, int64_t D, const float* q, int64_t q_st,
+                               const float* const* keys, const float* const* values, const int64_t* head_stride,
+                               const int64_t* lengths, const int64_t* group, int64_t groups, const int64_t* holder,
+                               const int64_t* shared, float scale, float* out, int64_t o_st, float* lse, float* work,
+                               int64_t work_floats) {
+  if ((D != 16 && D != 32 && D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0) return -1;
+  const int64_t per_kv = H / Hkv;
+  const int64_t chunk = (per_kv > 32 ? per_kv : 32) / per_kv * per_kv;  // whole members' queries
+  int64_t longest = 0;
+  for (int64_t r = 0; r < R; r++) {
+    if (lengths[r] < 1 || group[r] < -1 || group[r] >= groups) return -1;
+    if (group[r] >= 0 && (shared[group[r]] < 1 || shared[group[r]] >= lengths[r])) return -1;
+    longest = lengths[r] > longest ? lengths[r] : longest;
+  }
+  for (int64_t i = 0; i < groups; i++)
+    if (holder[i] < 0 || holder[i] >= R || group[holder[i]] != i) return -1;
+  if (work_floats < chunk * (3 * D + 4 + longest)) return -1;
+  FlushDenormals flush;
+  float* qs = work;  // scaled queries, 64-byte aligned; then the chunk's queries gathered, its shared outputs,
+  float* gathered = qs + chunk * D;  // the scores, its shared log-sum-exps and a member's own
+  float* shared_out = gathered + chunk * D;
+  float* S = shared_out + chunk * D;
+  float* shared_lse = S + chunk * longest;
+  float* own_lse = shared_lse + chunk;
+  for (int64_t r = 0; r < R; r++)  // rows alone
+    if (group[r] < 0)
+      for (int64_t g = 0; g < Hkv; g++)
+        attend_head(q + r * q_st + g * per_kv * D, per_kv, D, scale, keys[r] + g * head_stride[r],
+                    values[r] + g * head_stride[r], lengths[r], qs, S, out + r * o_st + g * per_kv * D,
+                    lse + r * H + g * per_kv);
+  int64_t* members = reinterpret_cast<int64_t*>(own_lse + chunk);  // after own_lse: chunk / per_kv of them
+  for (int64_t i = 0; i < groups; i++) {
+    const int64_t h = holder[i], n = shared[i];
+    for (int64_t g = 0; g < Hkv; g++) {
+      for (int64_t first = 0; first < R;) {  // the group's members, a chunk of their queries at a time
+        int64_t count = 0;
+        for (; first < R && count < chunk; first++)
+          if (group[first] == i) members[count / per_kv] = first, count += per_kv;
+        if (count == 0) break;
+        for (int64_t m = 0; m < count / per_kv; m++)
+          memcpy(gathered + m * per_kv * D, q + members[m] * q_st + g * per_kv * D, per_kv * D * 4);
+        attend_head(gathered, count, D, scale, keys[h] + g * head_stride[h], values[h] + g * head_stride[h], n, qs,
+                    S, shared_out, shared_lse);
+        for (int64_t m = 0; m < count / per_kv; m++) {
+          const int64_t r = members[m];
+          float* o = out + r * o_st + g * per_kv * D;
+          attend_head(gathered + m * per_kv * D, per_kv, D, scale, keys[r] + g * head_stride[r] + n * D,
+                      values[r] + g * head_stride[r] + n * D, lengths[r] - n, qs, S, o, own_lse);
+          for (int64_t p = 0; p < per_kv; p++) {  // merged by their log-sum-exps
+            const float a = shared_lse[m * per_kv + p], b = own_lse[p], top = a > b ? a : b;
+            const float wa = expf(a - top), wb = expf(b - top), inv = 1.0f / (wa + wb);
+            const float* so = shared_out + (m * per_kv + p) * D;
+            for (int64_t d = 0; d < D; d++) o[p * D + d] = (so[d] * wa + o[p * D + d] * wb) * inv;
+            lse[r * H + g * per_kv + p] = top + logf(wa + wb);
+          }
+        }
       }
     }
+  }
   return 0;
 }
 

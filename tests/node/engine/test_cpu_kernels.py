@@ -11,7 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from node.engine import cpu_kernels
-from node.engine.cpu_kernels import LIBRARY_SCREEN_ROWS, CpuKernels, PackedHead, RowsAt, load_kernels
+from node.engine.cpu_kernels import (
+    LIBRARY_SCREEN_ROWS,
+    CpuKernels,
+    PackedHead,
+    RowsAt,
+    decode_work_floats,
+    load_kernels,
+)
 
 TOLERANCE = 1e-5
 """Float32 sums taken in another order: relative to the largest |value| of the reference."""
@@ -223,7 +230,7 @@ def test_decode_attention_matches_sdpa_row_by_row(kernels: CpuKernels, heads: in
     q = torch.randn(len(lengths), heads, head_dim, generator=generator) * 3
     out = torch.full_like(q, float("nan"))
     lse = torch.full((len(lengths), heads), float("nan"))
-    work = torch.zeros(heads // kv_heads * (head_dim + max(lengths)))
+    work = torch.zeros(decode_work_floats(heads, kv_heads, head_dim, max(lengths)))
     assert kernels.decode_attention(q, history, 0.2, out, lse, work)
     for row, (keys, values) in enumerate(history):
         query = q[row].view(1, heads, 1, head_dim)
@@ -231,6 +238,58 @@ def test_decode_attention_matches_sdpa_row_by_row(kernels: CpuKernels, heads: in
         assert close(out[row], expected[0, :, 0])
         scores = torch.einsum("hd,hnd->hn", query[0, :, 0], keys[0].repeat_interleave(heads // kv_heads, 0)) * 0.2
         assert torch.allclose(lse[row], torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
+
+
+def buffers_at(buffers: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int]) -> RowsAt:
+    return RowsAt([k.data_ptr() for k, _ in buffers], [v.data_ptr() for _, v in buffers],
+                  [k.stride(1) for k, _ in buffers], lengths, buffers[0][0].shape[1])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "sizes"),
+                         [(8, 8, 64, (5, 12, 32)), (8, 2, 64, (9, 2)), (6, 2, 32, (4,)), (71, 1, 64, (3,)),
+                          (4, 4, 128, (17,))])
+def test_a_groups_shared_rows_are_read_once_for_all_its_members(kernels: CpuKernels, heads: int, kv_heads: int,
+                                                                head_dim: int, sizes: tuple[int, ...]) -> None:
+    """Groups of rows whose buffers begin with the same rows (5, 12 and 32 members: a few queries per pass, all
+    of 16 and of 32 in one pass; 9 members of 4 queries each: chunks of 32 queries), and rows alone: each row's
+    output and log-sum-exp are those of its whole history attended alone."""
+    generator = torch.Generator().manual_seed(heads + sum(sizes))
+    capacity = 500  # the longest history: 300 + 32 shared rows and 150 own
+    buffers, lengths, groups, row = [], [], [], 0
+    for size in (*sizes, 3):  # the last three rows alone
+        shared = torch.randn(2, 1, kv_heads, 300 + size, head_dim, generator=generator)
+        members = []
+        for _ in range(size):
+            own = 1 + int(torch.randint(0, 150, (1,), generator=generator))
+            keys, values = torch.randn(2, 1, kv_heads, capacity, head_dim, generator=generator)
+            keys[:, :, :shared.shape[3]], values[:, :, :shared.shape[3]] = shared[0], shared[1]
+            buffers.append((keys, values))
+            lengths.append(shared.shape[3] + own)
+            members.append(row)
+            row += 1
+        if size != 3 or len(groups) < len(sizes):
+            groups.append((members, shared.shape[3]))
+    queries = torch.randn(row, heads, head_dim, generator=generator) * 2
+    work = torch.zeros(decode_work_floats(heads, kv_heads, head_dim, max(lengths)))
+    out, lse = torch.full_like(queries, float("nan")), torch.full((row, heads), float("nan"))
+    assert kernels.decode_attention_groups(queries, buffers_at(buffers, lengths), groups, 0.2, out, lse, work)
+    alone, alone_lse = torch.empty_like(out), torch.empty_like(lse)
+    views = [(k[:, :, :n], v[:, :, :n]) for (k, v), n in zip(buffers, lengths, strict=True)]
+    assert kernels.decode_attention(queries, views, 0.2, alone, alone_lse, work)
+    assert close(out, alone) and torch.allclose(lse, alone_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_groups_the_decode_attention_does_not_take_are_refused(kernels: CpuKernels) -> None:
+    generator = torch.Generator().manual_seed(9)
+    buffers = [tuple(torch.randn(2, 1, 2, 50, 64, generator=generator)) for _ in range(3)]
+    rows, queries = buffers_at(buffers, [20, 30, 40]), torch.randn(3, 4, 64, generator=generator)
+    out, lse, work = torch.empty_like(queries), torch.empty(3, 4), torch.zeros(decode_work_floats(4, 2, 64, 40))
+    for groups in ([((0, 1), 10), ((1, 2), 10)],  # a row in two groups
+                   [((0, 1), 20)],  # no own row left to row 0
+                   [((0,), 10)],  # one member
+                   [((0, 3), 10)]):  # no row 3
+        assert not kernels.decode_attention_groups(queries, rows, groups, 0.1, out, lse, work), groups
+    assert not kernels.decode_attention_groups(queries, rows, [((0, 1), 10)], 0.1, out, lse, work[:100])
 
 
 def test_decode_attention_refuses_shapes_it_does_not_take(kernels: CpuKernels) -> None:
@@ -264,7 +323,8 @@ def test_a_steps_new_rows_go_into_each_rows_own_buffer_at_its_own_row(kernels: C
         assert torch.equal(k[:, :, mask], k0[:, :, mask]) and torch.equal(v[:, :, mask], v0[:, :, mask])
     q = torch.randn(3, 4, head_dim, generator=generator)
     by_address, by_view = torch.empty_like(q), torch.empty_like(q)
-    lse_address, lse_view, work = torch.empty(3, 4), torch.empty(3, 4), torch.zeros(2 * (head_dim + 40))
+    lse_address, lse_view = torch.empty(3, 4), torch.empty(3, 4)
+    work = torch.zeros(decode_work_floats(4, kv_heads, head_dim, 40))
     assert kernels.decode_attention_at(q, rows, 0.125, by_address, lse_address, work)
     views = [(k[:, :, :p + 1], v[:, :, :p + 1]) for (k, v), p in zip(buffers, positions, strict=True)]
     assert kernels.decode_attention(q, views, 0.125, by_view, lse_view, work)
