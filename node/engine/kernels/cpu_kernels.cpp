@@ -848,21 +848,22 @@ int tz_decode_attention_groups(int64_t R, int64_t H, int64_t Hkv, int64_t D, con
   }
   for (int64_t i = 0; i < groups; i++)
     if (holder[i] < 0 || holder[i] >= R || group[holder[i]] != i) return -1;
-  if (work_floats < chunk * (3 * D + 4 + longest)) return -1;
+  const int64_t width = per_kv > 32 ? per_kv : 32;  // at least a chunk, and what attend_head pads one to
+  if (work_floats < width * (3 * D + 4 + longest)) return -1;
   FlushDenormals flush;
   float* qs = work;  // scaled queries, 64-byte aligned; then the chunk's queries gathered, its shared outputs,
-  float* gathered = qs + chunk * D;  // the scores, its shared log-sum-exps and a member's own
-  float* shared_out = gathered + chunk * D;
-  float* S = shared_out + chunk * D;
-  float* shared_lse = S + chunk * longest;
-  float* own_lse = shared_lse + chunk;
+  float* gathered = qs + width * D;  // the scores, its shared log-sum-exps and a member's own
+  float* shared_out = gathered + width * D;
+  float* S = shared_out + width * D;
+  float* shared_lse = S + width * longest;
+  float* own_lse = shared_lse + width;
   for (int64_t r = 0; r < R; r++)  // rows alone
     if (group[r] < 0)
       for (int64_t g = 0; g < Hkv; g++)
         attend_head(q + r * q_st + g * per_kv * D, per_kv, D, scale, keys[r] + g * head_stride[r],
                     values[r] + g * head_stride[r], lengths[r], qs, S, out + r * o_st + g * per_kv * D,
                     lse + r * H + g * per_kv);
-  int64_t* members = reinterpret_cast<int64_t*>(own_lse + chunk);  // after own_lse: chunk / per_kv of them
+  int64_t* members = reinterpret_cast<int64_t*>(own_lse + width);  // chunk / per_kv of them
   for (int64_t i = 0; i < groups; i++) {
     const int64_t h = holder[i], n = shared[i];
     for (int64_t g = 0; g < Hkv; g++) {

@@ -247,12 +247,12 @@ def buffers_at(buffers: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[i
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "sizes"),
                          [(8, 8, 64, (5, 12, 32)), (8, 2, 64, (9, 2)), (6, 2, 32, (4,)), (71, 1, 64, (3,)),
-                          (4, 4, 128, (17,))])
+                          (4, 4, 128, (17,)), (12, 4, 64, (11,))])
 def test_a_groups_shared_rows_are_read_once_for_all_its_members(kernels: CpuKernels, heads: int, kv_heads: int,
                                                                 head_dim: int, sizes: tuple[int, ...]) -> None:
     """Groups of rows whose buffers begin with the same rows (5, 12 and 32 members: a few queries per pass, all
-    of 16 and of 32 in one pass; 9 members of 4 queries each: chunks of 32 queries), and rows alone: each row's
-    output and log-sum-exp are those of its whole history attended alone."""
+    of 16 and of 32 in one pass; 9 members of 4 queries each: chunks of 32 queries; 11 of 3: chunks of 30, padded
+    to 32), and rows alone: each row's output and log-sum-exp are those of its whole history attended alone."""
     generator = torch.Generator().manual_seed(heads + sum(sizes))
     capacity = 500  # the longest history: 300 + 32 shared rows and 150 own
     buffers, lengths, groups, row = [], [], [], 0
