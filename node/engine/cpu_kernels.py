@@ -33,10 +33,8 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "tz_gemm": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int, _ptr], None),
     "tz_attention": ([_ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _f32, _ptr,
                       _i64, _ptr], ctypes.c_int),
-    "tz_decode_attention": ([_i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr, _i64, _ptr, _ptr],
-                            ctypes.c_int),
-    "tz_decode_attention_groups": ([_i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
-                                    _f32, _ptr, _i64, _ptr, _ptr, _i64], ctypes.c_int),
+    "tz_decode_attention": ([_i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _f32,
+                             _ptr, _i64, _ptr, _ptr, _i64], ctypes.c_int),
     "tz_append_rows": ([_i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr], None),
     "tz_pack_screen": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr], None),
     "tz_head_argmax": ([_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr], None),
@@ -141,9 +139,17 @@ def int8_products_exact(codes: torch.Tensor, generator_seed: int = 0) -> bool:
                for right in (codes, extreme))
 
 
+def _int8_rows(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of `matrix` as int8 codes over its own scale (its largest |value| / 127, or 1 for a row of
+    zeros): (codes, scale), the row about `scale * codes`."""
+    largest = matrix.abs().amax(1)
+    scale = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
+    return torch.round(matrix / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
 def decode_work_floats(heads: int, kv_heads: int, head_dim: int, longest: int) -> int:
-    """Scratch floats the native decode attention needs (`tz_decode_attention_groups`, which needs the most): for
-    a chunk of up to `max(32, heads // kv_heads)` queries, their scaled and gathered copies, outputs and scores."""
+    """Scratch floats the native decode attention needs (`tz_decode_attention`): for a chunk of up to
+    `max(32, heads // kv_heads)` queries, their scaled and gathered copies, outputs and scores."""
     return max(32, heads // kv_heads) * (3 * head_dim + 4 + longest)
 
 
@@ -305,9 +311,7 @@ class CpuKernels:
         flags = _cpu_flags() or frozenset()
         if not any(flag in flags for flag in INT8_FLAGS):
             return None
-        largest = weight.abs().amax(1)
-        scale = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
-        codes = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        codes, scale = _int8_rows(weight)
         wide = weight.double()
         residual = (scale.double()[:, None] * codes.double() - wide).norm(dim=1)
         head = Int8Head(codes.t(), scale, wide.norm(dim=1), residual)
@@ -334,9 +338,7 @@ class CpuKernels:
     def _library_argmax(self, x: torch.Tensor, head: PackedHead, rows: Int8Head) -> list[int | None]:
         """`head_argmax` from the library's int8 product of x's rows, each coded over its own scale, and the
         head's codes; the same pick makes each row's answer exact (`tz_head_pick`)."""
-        largest = x.abs().amax(1)
-        unit = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
-        coded = torch.round(x / unit[:, None]).clamp_(-127, 127).to(torch.int8)
+        coded, unit = _int8_rows(x)
         products = torch._int_mm(coded, rows.codes)
         found = torch.empty(x.shape[0], dtype=torch.int64)
         bias, bias_slack = head.weight.bias, head.bias_slack
@@ -412,21 +414,7 @@ class CpuKernels:
                             lse: torch.Tensor, work: torch.Tensor) -> bool:
         """`decode_attention` over rows given by address (`RowsAt`, whose maker vouches for their layout); the
         other arguments and the result as there."""
-        count, heads, head_dim = queries.shape
-        kv_heads = rows.kv_heads
-        if (heads % kv_heads or len(rows.lengths) != count or min(rows.lengths) < 1
-                or not (queries.is_contiguous() and out.is_contiguous() and lse.is_contiguous())
-                or out.shape != queries.shape or lse.shape != (count, heads) or not work.is_contiguous()
-                or work.data_ptr() % ALIGNMENT
-                or work.numel() < decode_work_floats(heads, kv_heads, head_dim, max(rows.lengths))):
-            return False
-        status = self._lib.tz_decode_attention(count, heads, kv_heads, head_dim, queries.data_ptr(), heads * head_dim,
-                                               (ctypes.c_void_p * count)(*rows.keys),
-                                               (ctypes.c_void_p * count)(*rows.values),
-                                               (ctypes.c_int64 * count)(*rows.strides),
-                                               (ctypes.c_int64 * count)(*rows.lengths), scale,
-                                               out.data_ptr(), heads * head_dim, lse.data_ptr(), work.data_ptr())
-        return bool(status == 0)
+        return self.decode_attention_groups(queries, rows, (), scale, out, lse, work)
 
     def decode_attention_groups(self, queries: torch.Tensor, rows: RowsAt, groups: Sequence[tuple[Sequence[int], int]],
                                 scale: float, out: torch.Tensor, lse: torch.Tensor, work: torch.Tensor) -> bool:
@@ -448,7 +436,7 @@ class CpuKernels:
                 or work.data_ptr() % ALIGNMENT or any(len(members) < 2 for members, _ in groups)):
             return False
         size = len(groups)
-        status = self._lib.tz_decode_attention_groups(
+        status = self._lib.tz_decode_attention(
             count, heads, kv_heads, head_dim, queries.data_ptr(), heads * head_dim,
             (ctypes.c_void_p * count)(*rows.keys), (ctypes.c_void_p * count)(*rows.values),
             (ctypes.c_int64 * count)(*rows.strides), (ctypes.c_int64 * count)(*rows.lengths),

@@ -798,45 +798,22 @@ int tz_attention(const float* q, int64_t T, int64_t H, int64_t Hkv, int64_t D, i
 }
 
 // One query per row over that row's own keys and values: the attention of a decode step of many sequences,
-// each over its own history (or, with one row of many queries per key/value head, a group's queries over
-// their shared rows). Row r: q + r * q_st holds H heads of D floats; keys[r] and values[r] hold Hkv heads,
+// each over its own history. Row r: q + r * q_st holds H heads of D floats; keys[r] and values[r] hold Hkv heads,
 // head_stride[r] floats apart, of lengths[r] rows of D floats. out + r * o_st gets the heads' outputs [H, D];
 // lse + r * H each head's log-sum-exp of its scaled scores (to merge with attention over other keys). Query
-// heads of one key/value head read its rows together, a few per pass: one pass over the keys for the scores,
-// one over the values for the sums, each streaming rows ahead. `work` holds (H / Hkv) * (D + max(lengths))
-// floats (the scaled queries and scores of one key/value head), left to the caller to zero. D is 16, 32, 64
-// or 128.
+// heads of one key/value head read its rows together: one pass over the keys for the scores, one over the values
+// for the sums, each streaming rows ahead. Rows may form groups whose histories begin with the same rows (the
+// same values in every member's buffers): row r is in group[r] (or none, -1), and group i's first shared[i] rows,
+// read from the buffers of its row holder[i], are attended once for the queries of all its members, chunks of at
+// most max(32, H / Hkv) queries at a time; each member's own rest (its rows from shared[i] on, at least one) is
+// attended alone, and the two merged by their log-sum-exps (lse the merged one). `work` holds work_floats floats,
+// 64-byte aligned, left to the caller to zero: at least max(32, H / Hkv) * (3 D + 4 + max(lengths)). D is 16,
+// 32, 64 or 128. Returns -1, having written nothing, for a shape or grouping it does not take.
 int tz_decode_attention(int64_t R, int64_t H, int64_t Hkv, int64_t D, const float* q, int64_t q_st,
                         const float* const* keys, const float* const* values, const int64_t* head_stride,
-                        const int64_t* lengths, float scale, float* out, int64_t o_st, float* lse, float* work) {
-  if ((D != 16 && D != 32 && D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0) return -1;
-  for (int64_t r = 0; r < R; r++)
-    if (lengths[r] < 1) return -1;
-  FlushDenormals flush;
-  const int64_t group = H / Hkv;
-  float* qs = work;  // 64-byte aligned (a fresh torch tensor's storage), as wide as attend_head's
-  float* S = work + (group > 32 ? group : 32) * D;
-  for (int64_t r = 0; r < R; r++)
-    for (int64_t g = 0; g < Hkv; g++) {
-      const float* qr = q + r * q_st + g * group * D;
-      attend_head(qr, group, D, scale, keys[r] + g * head_stride[r], values[r] + g * head_stride[r], lengths[r], qs,
-                  S, out + r * o_st + g * group * D, lse + r * H + g * group);
-    }
-  return 0;
-}
-
-// tz_decode_attention where rows form groups whose histories begin with the same rows (the same values in
-// every member's buffers): row r is in group[r] (or none, -1), and group i's first shared[i] rows, read from
-// the buffers of its row holder[i], are attended once for the queries of all its members, chunks of at most
-// max(32, H / Hkv) queries at a time; each member's own rest (its rows from shared[i] on, at least one) is
-// attended alone, and the two merged by their log-sum-exps. out and lse as in tz_decode_attention (lse the
-// merged one). `work` holds work_floats floats, 64-byte aligned: at least max(32, H / Hkv) * (3 D + 4 +
-// max(lengths)). Returns -1, having written nothing, for a shape or grouping it does not take.
-int tz_decode_attention_groups(int64_t R, int64_t H, int64_t Hkv, int64_t D, const float* q, int64_t q_st,
-                               const float* const* keys, const float* const* values, const int64_t* head_stride,
-                               const int64_t* lengths, const int64_t* group, int64_t groups, const int64_t* holder,
-                               const int64_t* shared, float scale, float* out, int64_t o_st, float* lse, float* work,
-                               int64_t work_floats) {
+                        const int64_t* lengths, const int64_t* group, int64_t groups, const int64_t* holder,
+                        const int64_t* shared, float scale, float* out, int64_t o_st, float* lse, float* work,
+                        int64_t work_floats) {
   if ((D != 16 && D != 32 && D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0) return -1;
   const int64_t per_kv = H / Hkv;
   const int64_t chunk = (per_kv > 32 ? per_kv : 32) / per_kv * per_kv;  // whole members' queries
