@@ -11,9 +11,15 @@ the scope from the authenticated caller; there is no lookup by anything else.
 A resume point is a position where every layer's need is met: for models whose layers all keep spans
 (full attention), any position the stored spans cover; otherwise the end of a node holding a snapshot.
 
+The index holds no token id: each scope's tree is built over keyed digests of its tokens
+(`cache/token_digest.py`) under a key of the scope's own, drawn when the scope is first used. Callers pass token
+ids, or the `DigestRun` that `digest` made for the same scope; a run of another scope is refused. Dropping a
+scope (key removed, time to live over) zeroes its key and digests and unlinks its tree at once.
+
 For routing summaries (`cache/summary.py`) a scope also remembers prefix forms: the SHA-256 of the canonical
-form of a prompt prefix, with its token position and the tokens stored with it. They are digests of prompt
-content: memory only, dropped with the scope, and read only to be keyed for the router that owns the scope.
+form of a prompt prefix, with its token position and the digests of the tokens stored with it. They are digests
+of prompt content: memory only, dropped with the scope, and read only to be keyed for the router that owns the
+scope.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any, Protocol
 from cache.budget import CacheBudget
 from cache.radix_tree import PrefixMatch, RadixTree, TreeNode
 from cache.scope import Scope, SpanHandle
+from cache.token_digest import DigestRun, TokenDigester
 
 ROUTED = "/"
 """Joins a router's name and the id of a caller it acts for into that caller's name (`router/id`). Caller names
@@ -36,7 +43,7 @@ never hold it, so a router's callers are told apart from every other caller, and
 
 MAX_FORMS = 4096
 """Prefix forms a scope remembers (the most recently stored): at most this many summary entries per scope. The
-forms of one request share one tuple of its tokens."""
+forms of one request share one run of its digests."""
 
 
 def belongs_to(scope: Scope, caller: str) -> bool:
@@ -99,12 +106,14 @@ class PrefixCache:
         self.budget = budget
         self.arena = arena
         self._trees: dict[Scope, RadixTree[SpanHandle]] = {}
+        self._digesters: dict[Scope, TokenDigester] = {}
         self._needs_snapshots: dict[str, bool] = {}
         self._clock = itertools.count(1).__next__
         self._used: dict[Scope, float] = {}
         """When each scope was last used (monotonic seconds), for time-to-live expiry."""
-        self._forms: dict[Scope, OrderedDict[bytes, tuple[int, tuple[int, ...]]]] = {}
-        """Per scope: prefix form -> (its token position, the tokens stored with it), oldest first."""
+        self._forms: dict[Scope, OrderedDict[bytes, tuple[int, DigestRun]]] = {}
+        """Per scope: prefix form -> (its token position, the digests of the tokens stored with it), oldest
+        first."""
         self.evicted_spans = 0
         self.evicted_snapshots = 0
         self.expired_scopes = 0
@@ -112,23 +121,37 @@ class PrefixCache:
     def register_model(self, model: str, needs_snapshots: bool) -> None:
         self._needs_snapshots[model] = needs_snapshots
 
+    def digest(self, scope: Scope, tokens: Sequence[int] | DigestRun) -> DigestRun:
+        """`tokens` (ids from position 0) as the scope's index holds them; a run already made for the scope as
+        it is. The scope's key is drawn on first use."""
+        digester = self._digesters.get(scope)
+        if digester is None:
+            digester = self._digesters[scope] = TokenDigester()
+            self._used.setdefault(scope, time.monotonic())  # expires like a scope that stored something
+        if isinstance(tokens, DigestRun):
+            if tokens.owner is not digester:  # a bug of ours: runs never cross scopes
+                raise ValueError("a digest run made for another scope (or before this one was dropped)")
+            return tokens
+        return digester.run(tokens)
+
     def _tree(self, scope: Scope) -> RadixTree[SpanHandle]:
         tree = self._trees.get(scope)
         if tree is None:
             tree = self._trees[scope] = RadixTree(self.arena.split, self._clock)
         return tree
 
-    def acquire(self, scope: Scope, tokens: Sequence[int], limit: int, anywhere: bool) -> ReuseLease:
+    def acquire(self, scope: Scope, tokens: Sequence[int] | DigestRun, limit: int, anywhere: bool) -> ReuseLease:
         """Lease the deepest resume point of `tokens`, at most `limit` tokens in.
 
         `anywhere`: every position the spans cover is a resume point (all layers keep spans); otherwise
         only the ends of nodes holding a snapshot are.
         """
+        run = self.digest(scope, tokens)
         tree = self._trees.get(scope)
         if tree is None or limit <= 0:
             return ReuseLease(scope, 0, (), None, None, 0)
         self._used[scope] = time.monotonic()
-        match = tree.match(tokens)
+        match = tree.match(run)
         length, snapshot = self._resume_point(match, min(match.length, limit), anywhere)
         last = None
         spans: list[tuple[SpanHandle, int]] = []
@@ -156,18 +179,20 @@ class PrefixCache:
                 length, snapshot = node.end, node.handle
         return length, snapshot
 
-    def resume_depth(self, scope: Scope, tokens: Sequence[int], anywhere: bool) -> int:
+    def resume_depth(self, scope: Scope, tokens: Sequence[int] | DigestRun, anywhere: bool) -> int:
         """How deep along `tokens` the scope holds a resume point: `acquire`'s length without a lease and without
         touching anything (eviction order stays as requests left it)."""
         tree = self._trees.get(scope)
         if tree is None:
             return 0
-        match = tree.peek(tokens)
+        match = tree.peek(self.digest(scope, tokens))
         return self._resume_point(match, match.length, anywhere)[0]
 
-    def record_forms(self, scope: Scope, tokens: tuple[int, ...], forms: Sequence[tuple[int, bytes]]) -> None:
+    def record_forms(self, scope: Scope, tokens: Sequence[int] | DigestRun, forms: Sequence[tuple[int, bytes]]
+                     ) -> None:
         """Remember, for each (position, form), that `tokens[:position]` is the prefix whose form is `form`;
         called after `tokens` were stored. The MAX_FORMS most recent forms are kept."""
+        tokens = self.digest(scope, tokens)
         log = self._forms.setdefault(scope, OrderedDict())
         for position, form in forms:
             log[form] = (position, tokens)
@@ -182,7 +207,7 @@ class PrefixCache:
         for scope, log in self._forms.items():
             if not select(scope):
                 continue
-            depths: dict[int, int] = {}  # by the identity of a tokens tuple: one walk per stored request
+            depths: dict[int, int] = {}  # by the identity of a digest run: one walk per stored request
             for form, (position, tokens) in log.items():
                 depth = depths.get(id(tokens))
                 if depth is None:
@@ -195,12 +220,13 @@ class PrefixCache:
         if lease.node is not None:
             self._trees[lease.scope].unlock(lease.node)
 
-    def store(self, scope: Scope, tokens: Sequence[int], extract: Callable[[int, int], Any],
+    def store(self, scope: Scope, tokens: Sequence[int] | DigestRun, extract: Callable[[int, int], Any],
               snapshots: Mapping[int, Any] | None = None) -> StoreResult:
         """Store the state of `tokens`; `extract(start, end)` cuts a not-yet-held span from the work cache.
 
         `snapshots` maps positions to the state taken there; each becomes a node boundary.
         """
+        tokens = self.digest(scope, tokens)
         tree = self._tree(scope)
         self._used[scope] = time.monotonic()
         leaf = tree.insert(tokens, lambda start, end: self.arena.put(scope, start, end, extract(start, end)))
@@ -276,20 +302,24 @@ class PrefixCache:
                 heapq.heappush(heap, (self._score(scope, parent, True, now), next(order), scope, tree, parent, True))
 
     def drop_scope(self, scope: Scope) -> None:
-        """Free the scope's state, zeroed, and destroy its key: what was sealed under it never opens again."""
+        """Free the scope's state, zeroed, and destroy its keys: what was sealed under it never opens again, and
+        its digests (zeroed too) name no token even to a memory image holding them."""
         tree = self._trees.pop(scope, None)
+        digester = self._digesters.pop(scope, None)
         self._used.pop(scope, None)
-        self._forms.pop(scope, None)
+        for _, run in (self._forms.pop(scope, None) or {}).values():
+            run.wipe()
         if tree is not None:
-            for node in tree.nodes():
-                assert node.handle is not None
-                self.arena.free(node.handle)
+            for handle in tree.clear(_wipe_run):
+                self.arena.free(handle)
+        if digester is not None:
+            digester.destroy()
         self.arena.forget(scope)
 
     def drop_caller(self, caller: str) -> list[Scope]:
         """Drop every scope of `caller` and of the callers it acts for as a router (its key was removed); returns
         them."""
-        scopes = [scope for scope in self._trees if belongs_to(scope, caller)]
+        scopes = [scope for scope in self._trees.keys() | self._digesters.keys() if belongs_to(scope, caller)]
         for scope in scopes:
             self.drop_scope(scope)
         return scopes
@@ -341,3 +371,8 @@ class PrefixCache:
             return []
         return sorted(node.end for node in tree.nodes()
                       if node.handle is not None and self.arena.has_snapshot(node.handle))
+
+
+def _wipe_run(run: object) -> None:
+    assert isinstance(run, DigestRun)
+    run.wipe()

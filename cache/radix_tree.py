@@ -1,7 +1,11 @@
 """A token radix tree: the prefix index of one scope (caller, model).
 
-The tree deals in token ids, positions and opaque state handles only; it never sees a tensor. Each node
+The tree deals in token runs, positions and opaque state handles only; it never sees a tensor. Each node
 owns the span of tokens from its parent's end to its own end and the handle of the state for that span.
+
+A run is any immutable sequence whose slices are runs of its own type and whose `==` compares element by
+element: a tuple of ids in tests, a `cache.token_digest.DigestRun` in the prefix cache, which stores no id. One
+tree holds one type of run; the tree keeps slices of the runs it is given.
 
 Invariants:
 - a node's span is never empty, except the root's;
@@ -14,14 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 H = TypeVar("H")
+Run = Sequence[Any]
+"""A token run: tuple[int, ...], str or DigestRun (see the module's docstring)."""
 
 
 @dataclass(eq=False, slots=True)
 class TreeNode(Generic[H]):
-    tokens: tuple[int, ...]
+    tokens: Run
     start: int
     handle: H | None
     parent: TreeNode[H] | None
@@ -42,7 +48,10 @@ class PrefixMatch(Generic[H]):
     length: int
 
 
-def common_prefix_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+def common_prefix_length(a: Run, b: Run) -> int:
+    own = getattr(a, "common_prefix_length", None)
+    if own is not None:  # a run that compares all its elements at once
+        return int(own(b))
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
@@ -68,16 +77,15 @@ class RadixTree(Generic[H]):
         self._split_handle = split
         self._clock = clock
 
-    def match(self, tokens: Sequence[int]) -> PrefixMatch[H]:
+    def match(self, tokens: Run) -> PrefixMatch[H]:
         """The longest stored prefix of `tokens`; touches the nodes on the path."""
         return self._walk(tokens, self._clock())
 
-    def peek(self, tokens: Sequence[int]) -> PrefixMatch[H]:
+    def peek(self, tokens: Run) -> PrefixMatch[H]:
         """`match` without touching: for reading what is held (a summary) without changing eviction order."""
         return self._walk(tokens, None)
 
-    def _walk(self, tokens: Sequence[int], now: int | None) -> PrefixMatch[H]:
-        tokens = tuple(tokens)
+    def _walk(self, tokens: Run, now: int | None) -> PrefixMatch[H]:
         nodes: list[TreeNode[H]] = []
         node, pos = self.root, 0
         while pos < len(tokens):
@@ -94,12 +102,11 @@ class RadixTree(Generic[H]):
             node = child
         return PrefixMatch(tuple(nodes), pos)
 
-    def insert(self, tokens: Sequence[int], make_handle: Callable[[int, int], H]) -> TreeNode[H] | None:
+    def insert(self, tokens: Run, make_handle: Callable[[int, int], H]) -> TreeNode[H] | None:
         """Store `tokens`; `make_handle(start, end)` gives the state handle for a new span.
 
         Returns the new leaf, or None when the tree already held all of `tokens`.
         """
-        tokens = tuple(tokens)
         found = self.match(tokens)
         if found.length == len(tokens):
             return None
@@ -111,7 +118,7 @@ class RadixTree(Generic[H]):
         node.children[leaf.tokens[0]] = leaf
         return leaf
 
-    def boundary(self, tokens: Sequence[int], position: int) -> TreeNode[H]:
+    def boundary(self, tokens: Run, position: int) -> TreeNode[H]:
         """The node ending exactly at `position` on the path of `tokens` (held up to there), cutting one if needed."""
         assert 0 < position <= len(tokens)
         node, pos = self.root, 0
@@ -175,6 +182,20 @@ class RadixTree(Generic[H]):
             if current.handle is not None:
                 handles.append(current.handle)
             current.parent, current.handle, current.children = None, None, {}
+        return handles
+
+    def clear(self, wipe: Callable[[Run], None]) -> list[H]:
+        """Empty the tree at once: every node's run goes through `wipe` and every link is cut, so nothing of it
+        waits for the cycle collector (a node and its parent refer to each other); returns the handles."""
+        handles, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.handle is not None:
+                handles.append(node.handle)
+            wipe(node.tokens)
+            node.parent, node.handle, node.children, node.tokens = None, None, {}, ()
+        self.root.children = {}
         return handles
 
     def nodes(self) -> Iterator[TreeNode[H]]:

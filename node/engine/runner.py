@@ -24,6 +24,7 @@ from cache.opening import Opening
 from cache.prefix_cache import PrefixCache, StoreResult, belongs_to
 from cache.radix_tree import common_prefix_length
 from cache.snapshot_policy import SnapshotPolicy
+from cache.token_digest import DigestRun
 from cache.working_cache import ROWS_GRAIN
 from node.engine.batch_forward import BatchedDecode, batch_blocker, batchable
 from node.engine.cpu_kernels import load_kernels
@@ -59,7 +60,8 @@ class Runner:
         plaintext; requests store nothing (billed without cached writes, `retained` false), as under retention
         none."""
         self.prefill_chunk = prefill_chunk
-        self._hot: tuple[int, Scope, tuple[int, ...]] | None = None
+        self._hot: tuple[int, Scope, DigestRun] | None = None
+        """(lane, scope, the digests of the tokens whose rows the lane still holds) after a request was stored."""
         """The lane, scope and tokens whose state the lane's buffers hold from the last finished request: the
         hot working cache."""
         self._dirty: dict[int, int] = {}
@@ -109,17 +111,24 @@ class Runner:
         self.lane_rows = rows
         return rows
 
-    def engine_state(self) -> dict[str, Any]:
-        """For `GET /v1/node`: whether decode steps are batched (and why not), and how they ran so far."""
+    def engine_config(self) -> dict[str, Any]:
+        """For anyone (`GET /v1/node`): whether decode steps are batched (and why not) and how; fixed at start,
+        so that it says nothing of other callers' traffic."""
         return {"batched_decode": self.batching is None,
                 "reason": self.batching or "every layer is attention or recurrent",
-                "prefill_chunk": self.prefill_chunk, "decode_steps": self.decode_steps,
-                "batched_steps": self.batched_steps, "largest_batch": self.largest_batch,
-                "shared_rows": self._batched.shared_rows, "decode_attention": self.decode_attention,
-                "fed_together": self.fed_together, "reserved_lane_rows": self.lane_rows}
+                "prefill_chunk": self.prefill_chunk, "decode_attention": self.decode_attention,
+                "reserved_lane_rows": self.lane_rows}
 
-    def sealing_state(self) -> dict[str, Any]:
-        """For `GET /v1/node`: whether stored state is sealed, how, and what the tiers hold now."""
+    def engine_state(self) -> dict[str, Any]:
+        """For operators (`GET /v1/node/state`): `engine_config` and how decode steps ran so far, which counts
+        every caller's tokens."""
+        return {**self.engine_config(), "decode_steps": self.decode_steps, "batched_steps": self.batched_steps,
+                "largest_batch": self.largest_batch, "shared_rows": self._batched.shared_rows,
+                "fed_together": self.fed_together}
+
+    def sealing_config(self) -> dict[str, Any]:
+        """For anyone (`GET /v1/node`): whether stored state is sealed and how; fixed at start, so that it says
+        nothing of other callers' traffic."""
         arena = self.arena
         if arena is None or arena.sealer is None:
             return {"on": False, "reason": "reuse is off: nothing is stored" if arena is None else
@@ -127,7 +136,13 @@ class Runner:
         return {"on": True, "cipher": "AES-256-GCM",
                 "keys": "one per scope (caller, model): HKDF-SHA256 of a boot master key held in memory only",
                 "master_key_locked": arena.sealer.master_locked, "open_threads": arena.sealer.threads,
-                **arena.describe(), **self._seal_cost_state()}
+                "hot_tier_bytes": arena.plaintext_bytes, "reserve_bytes": arena.memory.reserved_bytes,
+                **self._seal_cost_state()}
+
+    def sealing_state(self) -> dict[str, Any]:
+        """For operators (`GET /v1/node/state`): `sealing_config` and what the tiers hold now (entries, bytes
+        sealed and in the clear, failures), which grows with every caller's stored tokens."""
+        return {**self.sealing_config(), **(self.arena.describe() if self.arena is not None else {})}
 
     def _seal_cost_state(self) -> dict[str, Any]:
         cost = self.seal_cost
@@ -191,14 +206,14 @@ class Runner:
         assert self.arena is not None
         self.arena.own_borrowed()  # no-op after `settle`; the new working cache overwrites the buffers
         # At least one prompt token is always computed: its logits choose the first output token.
+        run = self.prefix_cache.digest(scope, prompt)
         for _ in range(2):
-            lease = self.prefix_cache.acquire(scope, prompt, limit=len(prompt) - 1,
-                                              anywhere=self.resumes_anywhere)
+            lease = self.prefix_cache.acquire(scope, run, limit=len(prompt) - 1, anywhere=self.resumes_anywhere)
             opening: Opening | None = None
             try:
                 # The same scope's last request left its state in this lane's buffers: the part of the lease
                 # it covers needs no copy.
-                warm = min(common_prefix_length(hot[1], tuple(prompt)), lease.length) if hot and hot[0] == scope else 0
+                warm = min(common_prefix_length(hot[1], run), lease.length) if hot and hot[0] == scope else 0
                 cache, adopted = state.new_cache(capacity, adopt=warm, lane=lane)
                 held = min(donor[1], donor[0].position, lease.length) if donor is not None else 0
                 if donor is not None and held > adopted:
@@ -228,16 +243,17 @@ class Runner:
         self.arena.written = 0
         return self.arena.take_scratch()
 
-    def _store(self, lane: int, scope: Scope, tokens: Sequence[int], cache: DynamicCache,
+    def _store(self, lane: int, scope: Scope, tokens: Sequence[int] | DigestRun, cache: DynamicCache,
                snapshots: dict[int, Snapshot]) -> StoreResult:
         if self.prefix_cache is None or self.loaded.state is None:
             return StoreResult(len(tokens), 0)
         state = self.loaded.state
         state.materialize(cache)  # stored spans are cut from the buffers, which must hold every row
+        run = self.prefix_cache.digest(scope, tokens)
         # Views of the lane's buffers: `settle` seals them from there (or copies them) before they are reused.
         result = self.prefix_cache.store(
-            scope, tokens, lambda start, end: Borrowed(state.extract(cache, start, end, borrow=True)), snapshots)
-        self._hot = (lane, scope, tuple(tokens))
+            scope, run, lambda start, end: Borrowed(state.extract(cache, start, end, borrow=True)), snapshots)
+        self._hot = (lane, scope, run)
         return result
 
     def pick_lane(self, scope: Scope, lanes: int) -> int:
@@ -513,7 +529,8 @@ class Runner:
                 self.loaded.extend([output[-1]], len(fed) - 1, seq.cache)
             if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:
                 seq.snapshots[len(fed)] = self.loaded.state.snapshot(seq.cache)
-        held = tuple(fed)  # one tuple for the hot working cache and the remembered forms
+        # One run of digests for the index, the hot working cache and the remembered forms.
+        held = self.prefix_cache.digest(request.scope, fed) if self.prefix_cache is not None else fed
         stored = self._store(seq.lane, request.scope, held, seq.cache, seq.snapshots)
         forms = request.forms
         if self.prefix_cache is not None and not seq.prefilling and (forms.at or forms.reply is not None):

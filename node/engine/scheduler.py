@@ -234,20 +234,25 @@ class Scheduler:
 
     def _work(self) -> None:
         while (taken := self._take()) is not None:
-            chores, jobs = taken
-            for chore in chores:
-                self._guarded(chore)
-            for job in jobs:
-                self._admit(job)
-            if self._running:
-                self._step()
-            elif not jobs:
-                self._guarded(lambda: self.runner.expire(self.ttl_of))
-                self._guarded(lambda: self.runner.settle(stop=lambda: self._waiting > 0))  # what a busy spell left
+            self._turn_of(*taken)
+            # While the worker waits for the next work, nothing of the last (its job, its prompt) stays reachable
+            # from this frame: a finished request's token ids go as soon as the reply does.
+            del taken
         for job, seq in self._running:  # stopping
             self.runner.release(seq)
             job.post(Failed(asyncio.CancelledError()))
         self._running.clear()
+
+    def _turn_of(self, chores: list[Callable[[], None]], jobs: list[Job]) -> None:
+        for chore in chores:
+            self._guarded(chore)
+        for job in jobs:
+            self._admit(job)
+        if self._running:
+            self._step()
+        elif not jobs:
+            self._guarded(lambda: self.runner.expire(self.ttl_of))
+            self._guarded(lambda: self.runner.settle(stop=lambda: self._waiting > 0))  # what a busy spell left
 
     def _admit(self, job: Job) -> None:
         if job.cancel_event.is_set():

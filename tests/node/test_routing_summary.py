@@ -92,8 +92,8 @@ def test_the_runner_remembers_forms_only_for_kept_state(small_loaded: LoadedMode
                                 forms=PrefixForms(((20, b"p" * 32),), reply_form))
     result = runner.generate(request, emit=lambda _: None, cancelled=lambda: False)
     assert replies == [result.text]
-    assert cache._forms[scope] == {b"p" * 32: (20, tuple(prompt + result.output_ids)),
-                                   b"r" * 32: (len(prompt) + len(result.output_ids), tuple(prompt + result.output_ids))}
+    held = cache.digest(scope, prompt + result.output_ids)  # the index keeps digests, never the ids
+    assert cache._forms[scope] == {b"p" * 32: (20, held), b"r" * 32: (len(prompt) + len(result.output_ids), held)}
     assert sorted(form for _, form in cache.warm_forms(lambda s: True, runner.resumes_anywhere)) == [b"p" * 32,
                                                                                                      b"r" * 32]
     unkept = Scope("r1/bob", small_loaded.model_id)
