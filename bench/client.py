@@ -117,9 +117,10 @@ class Client:
             raise BenchError(f"GET {self.base}/models lists no model; pass --model")
         return models
 
-    async def node_info(self) -> dict[str, Any]:
-        """`GET /v1/node`, a tenzro node's public description (sealing, forward path, prices)."""
-        async with self._request("GET", self.base + "/node", headers={}) as response:
+    async def node_state(self, operator_key: str) -> dict[str, Any]:
+        """`GET /v1/node/state` (an operator's key): how a tenzro node runs now, its engine counters, queue and
+        what its stored state's tiers hold."""
+        async with self._request("GET", self.base + "/node/state", headers=_bearer(operator_key)) as response:
             return dict(await response.json())
 
     async def metrics(self, operator_key: str) -> dict[str, float]:

@@ -140,10 +140,10 @@ def cipher_rates(total_mib: int, runs: int, passes: int = 1) -> list[CipherRow]:
     return [cipher_row(op + suffix, size, times[(op, 1)][1:], times[(op, cores)][1:], cores) for op in operations]
 
 
-async def _sealed(client: Client, timeout_s: float = 10.0) -> None:
+async def _sealed(client: Client, operator_key: str, timeout_s: float = 10.0) -> None:
     """Wait until the node holds no stored plaintext (a seal a waiting request interrupted finishes when idle)."""
     deadline = time.monotonic() + timeout_s
-    while (await client.node_info())["sealing"]["plaintext_bytes"] > 0:
+    while (await client.node_state(operator_key))["sealing"]["plaintext_bytes"] > 0:
         if time.monotonic() > deadline:
             raise BenchError(f"the node still held plaintext state {timeout_s:.0f} s after the last reply")
         await asyncio.sleep(0.05)
@@ -155,11 +155,12 @@ async def _ttfts(node: LocalNode, lengths: tuple[int, ...], runs: int, open_gib_
         await node.wait_healthy(session)
         a = await node.client(session)
         b = await node.client(session, node.add_key("other"), a.model)
+        operator = node.add_key("bench-operator", "operator")  # the stored bytes are the operator's to read
         source = PromptSource(seed)
-        before = (await a.node_info())["sealing"]["bytes"]
+        before = (await a.node_state(operator))["sealing"]["bytes"]
         stored = source.prefix(256)
         await a.complete(stored)  # untimed: warms the model, and measures the bytes one token's state takes
-        per_token = ((await a.node_info())["sealing"]["bytes"] - before) / (len(stored) + 1)
+        per_token = ((await a.node_state(operator))["sealing"]["bytes"] - before) / (len(stored) + 1)
         samples: list[dict[str, Any]] = []
         rows = []
         for length in lengths:
@@ -169,7 +170,7 @@ async def _ttfts(node: LocalNode, lengths: tuple[int, ...], runs: int, open_gib_
                 prefix = source.prefix(length - NEW_TOKENS)
                 miss = await a.complete(prefix + source.suffix(NEW_TOKENS))
                 await b.complete(source.prefix(64))  # another caller: A's state is sealed, off the buffers
-                await _sealed(a)
+                await _sealed(a, operator)
                 sealed = await a.complete(prefix + source.suffix(NEW_TOKENS))
                 hot = await a.complete(prefix + source.suffix(NEW_TOKENS))
                 for kind, timing in (("miss", miss), ("sealed", sealed), ("hot", hot)):

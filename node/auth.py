@@ -106,10 +106,13 @@ def acting_for(router: Caller, caller_id: str) -> Caller:
 
 
 def require_role(caller: Caller | None, what: str, *roles: str) -> Caller:
-    """`caller` if it has one of `roles`; raises Unauthenticated (no key) or PermissionDenied otherwise."""
+    """`caller` if it has one of `roles`; raises Unauthenticated (no key) or PermissionDenied (code
+    `<first role>_role_required`) otherwise."""
     needs = " or ".join(roles)
+    needs = f"{'an' if needs[0] in 'aeiou' else 'a'} {needs}"
     if caller is None:
-        raise Unauthenticated(f"{what} needs an {needs} key: send the header 'Authorization: Bearer <key>'")
+        raise Unauthenticated(f"{what} needs {needs} key: send the header 'Authorization: Bearer <key>'")
     if caller.role not in roles:
-        raise PermissionDenied(f"{what} needs an {needs} key ('tenzro keys add NAME --role {roles[0]}')")
+        raise PermissionDenied(f"{what} needs {needs} key, and this key's role is {caller.role} ('tenzro keys "
+                               f"add NAME --role {roles[0]}' makes one)", code=f"{roles[0]}_role_required")
     return caller

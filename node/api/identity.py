@@ -1,6 +1,9 @@
 """Who this node is, to anyone: the key that signs its records, its prices, policy, sealing and hygiene
 (`GET /v1/node`), and attestation evidence binding that key, fresh under a verifier's nonce
-(`GET /v1/attestation?nonce=HEX`)."""
+(`GET /v1/attestation?nonce=HEX`); and, to operators only, how it is running (`GET /v1/node/state`).
+
+What anyone reads is fixed for the node's start, whatever the key: counters, queue depth and byte totals would
+let one caller watch others' traffic (bytes stored per turn, reply lengths), so they are the operator's."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from attestation.binding import NONCE_BYTES
 from attestation.errors import EvidenceUnavailable
 from metering.canonical import wei_to_json
 from node.api.body import off_loop
-from node.api.keys import HYGIENE, IDENTITY, METER, POLICY, SERVICE
+from node.api.keys import CALLER, HYGIENE, IDENTITY, METER, POLICY, SERVICE
+from node.auth import require_role
 from node.errors import InvalidRequest, Unavailable
 from node.identity import NodeIdentity
 
@@ -22,14 +26,14 @@ routes = web.RouteTableDef()
 @routes.get("/v1/node")
 async def node_identity(request: web.Request) -> web.Response:
     """Which key signs this node start's records and the digest of the evidence binding it, the prices it
-    charges now, its policy, which forward its model runs on (and why), whether stored state is sealed and
-    the process's hygiene; no key needed."""
-    meter, identity = request.app[METER], request.app[IDENTITY]
+    charges now, its policy, which forward its model runs on (and why), how its engine and sealing are set up
+    and the process's hygiene; no key needed, and the same for every key."""
+    meter, identity, service = request.app[METER], request.app[IDENTITY], request.app[SERVICE]
     prices = meter.pricing.current()
-    forward = request.app[SERVICE].loaded.forward_path
+    forward = service.loaded.forward_path
     return web.json_response({
         "object": "node",
-        "model": request.app[SERVICE].model_id,
+        "model": service.model_id,
         "boot_id": meter.boot_id,
         "key_id": meter.signer.key_id,
         "public_key": meter.signer.public_key_hex,
@@ -40,9 +44,24 @@ async def node_identity(request: web.Request) -> web.Response:
         "prices": {name: wei_to_json(value) for name, value in prices.to_mapping().items()},
         "pricing_error": meter.pricing.reload_error,
         "forward": {"path": forward.name, "reason": forward.reason},
-        "engine": {**request.app[SERVICE].runner.engine_state(), **request.app[SERVICE].scheduler.describe()},
-        "sealing": request.app[SERVICE].runner.sealing_state(),
+        "engine": {**service.runner.engine_config(), "max_queue": service.scheduler.max_queue,
+                   "max_running": service.scheduler.max_running},
+        "sealing": service.runner.sealing_config(),
         "hygiene": request.app[HYGIENE],
+    })
+
+
+@routes.get("/v1/node/state")
+async def node_state(request: web.Request) -> web.Response:
+    """Operators only: `GET /v1/node`'s engine and sealing sections with what moves with traffic: decode steps
+    and batches so far, the queue and running requests, and what the stored state's tiers hold now."""
+    require_role(request[CALLER], "GET /v1/node/state", "operator")
+    service = request.app[SERVICE]
+    return web.json_response({
+        "object": "node.state",
+        "boot_id": request.app[METER].boot_id,
+        "engine": {**service.runner.engine_state(), **service.scheduler.describe()},
+        "sealing": service.runner.sealing_state(),
     })
 
 

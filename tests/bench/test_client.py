@@ -62,8 +62,10 @@ def _fake_server(streams: dict[str, Events]) -> tuple[web.Application, list[tupl
     async def refused(request: web.Request) -> web.Response:
         return web.Response(status=503, text="queue full")
 
-    async def node(request: web.Request) -> web.Response:
+    async def node_state(request: web.Request) -> web.Response:
         await record(request)
+        if request.headers.get("Authorization") != f"Bearer {OPERATOR_KEY}":
+            return web.Response(status=403, text="operators only")
         return web.json_response({"sealing": {"plaintext_bytes": 0}})
 
     async def metrics(request: web.Request) -> web.Response:
@@ -76,7 +78,7 @@ def _fake_server(streams: dict[str, Events]) -> tuple[web.Application, list[tupl
     app.router.add_post("/v1/completions", streamed)
     app.router.add_post("/v1/chat/completions", streamed)
     app.router.add_post("/v1/refused", refused)
-    app.router.add_get("/v1/node", node)
+    app.router.add_get("/v1/node/state", node_state)
     app.router.add_get("/metrics", metrics)
     return app, seen
 
@@ -121,12 +123,14 @@ async def test_chat_times_the_first_content_not_the_role_chunk(aiohttp_client: S
     assert seen[-1][2]["messages"] == messages and seen[-1][2]["max_tokens"] == 24
 
 
-async def test_post_returns_the_answer_and_node_info_goes_without_the_key(aiohttp_client: Serve) -> None:
+async def test_post_returns_the_answer_and_node_state_is_read_with_the_operator_key(aiohttp_client: Serve) -> None:
     client, seen = await _client(aiohttp_client, {})
     assert await client.post("/completions", {"prompt": [1, 2], "return_token_ids": True}) == {
         "choices": [{"token_ids": [4, 2]}], "prompt_token_ids": [1, 2]}
-    assert await client.node_info() == {"sealing": {"plaintext_bytes": 0}}
-    assert "Authorization" not in seen[-1][1]
+    assert await client.node_state(OPERATOR_KEY) == {"sealing": {"plaintext_bytes": 0}}
+    assert (seen[-1][0], seen[-1][1]["Authorization"]) == ("/v1/node/state", f"Bearer {OPERATOR_KEY}")
+    with pytest.raises(BenchError, match=r"^GET http://.+/v1/node/state answered 403: operators only$"):
+        await client.node_state(KEY)
 
 
 async def test_metrics_are_read_with_the_operator_key(aiohttp_client: Serve) -> None:

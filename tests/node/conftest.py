@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -54,6 +55,14 @@ class Node:
         result = tenzro("keys", "add", name, "--role", role, "--config", str(self.config), env=self.env)
         assert result.returncode == 0, result.stderr
         return result.stdout.strip().splitlines()[-1]
+
+    def state(self, operator_key: str) -> dict[str, Any]:
+        """The operator's view of how the node runs (`GET /v1/node/state`): engine counters, the queue and what
+        the stored state's tiers hold, which the public `GET /v1/node` does not show."""
+        request = urllib.request.Request(self.url + "/v1/node/state",
+                                         headers={"Authorization": f"Bearer {operator_key}"})
+        with urllib.request.urlopen(request, timeout=5) as response:  # loopback only
+            return dict(json.load(response))
 
 
 def launch_node(tmp: Path, model: Path, *extra: str, config_text: str | None = None) -> Node:

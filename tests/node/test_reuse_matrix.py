@@ -9,9 +9,7 @@ its conversation gets alone on the node without reuse.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -102,7 +100,6 @@ def concurrent_callers_get_their_alone_output(family: str, reuse: Node, plain: N
         runs = [pool.submit(conversation, clients[caller], model, caller, alone[caller]) for caller in range(4)]
         for run in runs:
             run.result()
-    with urllib.request.urlopen(f"{reuse.url}/v1/node", timeout=10) as answer:  # loopback only
-        engine = json.load(answer)["engine"]
+    engine = reuse.state(reuse.add_key("robot-ops", "operator"))["engine"]  # how decode steps ran: the operator's
     if engine["batched_decode"]:
         assert engine["largest_batch"] >= 2, f"{family}: the callers' decode steps never ran together"
