@@ -61,7 +61,7 @@ def test_every_allowed_import_is_still_made(path: str) -> None:
 def test_the_bench_commands_load_no_node_module() -> None:
     """The one allowed import is made when a workload is built, not when `tenzro bench` builds its parsers."""
     loaded = subprocess.run([sys.executable, "-c", "import sys, bench.reuse, bench.seal, bench.agent, bench.scenarios, "
-                             "bench.load, bench.route; "
+                             "bench.load, bench.route, bench.hostile; "
                              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'node'))"],
                             cwd=ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"
