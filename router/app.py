@@ -24,14 +24,17 @@ from aiohttp import web
 
 from policies.requirements import RequirementHeaderError, merge, requirements_from_headers
 from router.callers import CallerKeys, RouterCaller
+from router.edge import coding_refusal
 from router.errors import (
     InvalidRequest,
     ModelNotFound,
     NoProviderAvailable,
     ProvidersFailed,
+    RequestTimeout,
     RequirementNotMet,
     RouterError,
     Unauthenticated,
+    UnsupportedMediaType,
 )
 from router.forward import CALLER_HEADER, Forwarded, ProviderFailed, forward, requirement_headers
 from router.providers import RouterConfig
@@ -56,7 +59,9 @@ STATUS: dict[type[RouterError], int] = {
     InvalidRequest: 400,
     Unauthenticated: 401,
     ModelNotFound: 404,
+    RequestTimeout: 408,
     RequirementNotMet: 412,
+    UnsupportedMediaType: 415,
     ProvidersFailed: 502,
     NoProviderAvailable: 503,
 }
@@ -79,7 +84,10 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     try:
         return await handler(request)
     except RouterError as exc:
-        return web.json_response(exc.body(), status=status_of(exc))
+        response = web.json_response(exc.body(), status=status_of(exc))
+        if isinstance(exc, RequestTimeout):
+            response.force_close()  # the rest of the body may still come, and would read as the next request
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -87,8 +95,22 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return _error(exc.status, exc.text or exc.reason, kind)
 
 
+@web.middleware
+async def refuse_compressed(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse a compressed body (415) or an unknown `Content-Encoding` (400) before the body is read or a key is
+    checked (`router.edge`; the server inflates nothing either way)."""
+    refusal = coding_refusal(request.headers)
+    if refusal is not None:
+        raise (UnsupportedMediaType if refusal.compressed else InvalidRequest)(refusal.message, code=refusal.code)
+    return await handler(request)
+
+
 def _caller(request: web.Request) -> RouterCaller:
-    return request.app[KEYS].caller_for(request.headers.get("Authorization"))
+    authorization = request.headers.getall("Authorization", [])
+    if len(authorization) > 1:  # which one would count is a guess: refused rather than guessed
+        raise Unauthenticated(f"the request has {len(authorization)} Authorization headers: send one, "
+                              f"'Authorization: Bearer <key>'", code="duplicate_authorization")
+    return request.app[KEYS].caller_for(authorization[0] if authorization else None)
 
 
 def _model_and_forms(body: bytes, chat: bool) -> tuple[str, list[bytes]]:
@@ -111,7 +133,12 @@ async def _complete(request: web.Request, path: str, chat: bool) -> web.StreamRe
     except RequirementHeaderError as exc:
         raise InvalidRequest(str(exc), param=exc.header, code="invalid_requirement_header") from exc
     requirements = merge(caller.requirements, requested)
-    body = await request.read()
+    limit = request.app[CONFIG].settings.body_timeout_s
+    try:
+        async with asyncio.timeout(limit):
+            body = await request.read()
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {limit:g} s") from None
     if len(body) > OFF_LOOP_BYTES:
         model, forms = await asyncio.to_thread(_model_and_forms, body, chat)
     else:
@@ -178,7 +205,8 @@ async def _providers(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(config: RouterConfig, routing: str = "warm") -> web.Application:
     assert routing in ROUTINGS
-    app = web.Application(middlewares=[openai_errors], client_max_size=config.settings.max_body_bytes)
+    app = web.Application(middlewares=[openai_errors, refuse_compressed],
+                          client_max_size=config.settings.max_body_bytes)
     app[CONFIG], app[KEYS], app[ROUTING], app[TURNS] = config, CallerKeys(config.callers), routing, itertools.count()
     app.cleanup_ctx.append(_providers)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -15,9 +15,8 @@ DEFAULT_PORT = 8090
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from router.app import create_app
+    from router.edge import serve
 
     try:
         config = load_router_config(Path(args.providers))
@@ -29,10 +28,9 @@ def _serve(args: argparse.Namespace) -> int:
     message = (f"tenzro router: serving http://{args.host}:{args.port}/v1 for {len(config.callers)} caller(s) over "
                f"{len(config.providers)} provider(s) ({names}); routing {args.routing}")
     try:
-        # handler_cancellation: a client that goes away cancels its handler, which closes the provider's
+        # A client that goes away cancels its handler (router.edge.EdgeRunner), which closes the provider's
         # connection, and the node stops that generation.
-        web.run_app(app, host=args.host, port=args.port, access_log=None, handler_cancellation=True,
-                    print=lambda _: print(message, flush=True))
+        serve(app, args.host, args.port, config.settings.header_timeout_s, started=lambda: print(message, flush=True))
     except OSError as exc:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2

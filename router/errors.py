@@ -36,6 +36,18 @@ class Unauthenticated(RouterError):
     default_code = "invalid_api_key"
 
 
+class RequestTimeout(RouterError):
+    """The request's body did not arrive within `settings.body_timeout_s`."""
+
+    default_code = "body_timeout"
+
+
+class UnsupportedMediaType(RouterError):
+    """The body is compressed (`Content-Encoding`): no route reads a compressed body."""
+
+    default_code = "unsupported_media_type"
+
+
 class ModelNotFound(RouterError):
     kind = "not_found_error"
     default_code = "model_not_found"

@@ -11,6 +11,8 @@ retry elsewhere, never a request served outside its requirements.
       connect_timeout_s: 5             # also the whole of each poll request
       first_byte_timeout_s: 300        # a provider silent this long before its first byte is tried elsewhere
       max_body_bytes: 8388608
+      header_timeout_s: 10             # a client's request head, and then its body, must arrive within these
+      body_timeout_s: 30               #   (the node's limits.header_timeout_s and body_timeout_s, for its reasons)
     providers:
       - name: node-a
         url: https://node-a.example:8080
@@ -77,6 +79,10 @@ class RouterSettings:
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 300.0
     max_body_bytes: int = 8 * 1024 * 1024
+    header_timeout_s: float = 10.0
+    """How long a client's request head may take to arrive (`router.edge.HeadDeadline`); the reasons for this
+    value and the next are the node's (`node/config.py` `Limits`)."""
+    body_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
