@@ -43,8 +43,9 @@ class HygieneState:
     swap_active: tuple[str, ...] | None  # devices and files in /proc/swaps; None when it cannot be read
     dump_exclusion: bool  # madvise(MADV_DONTDUMP) works here, so `exclude_from_dumps` can mark buffers
     freed_memory_overwritten: bool = False
-    """glibc overwrites what is freed (`mallopt(M_PERTURB)`): tensors a forward frees (projections, rotary
-    outputs) do not leave a request's state behind in the heap."""
+    """glibc overwrites what is freed (`mallopt(M_PERTURB)`), and the interpreter's objects are glibc's too
+    (`PYTHONMALLOC=malloc`): tensors a forward frees (projections, rotary outputs) do not leave a request's
+    state behind in the heap, nor do a request's strings and id lists (its text, its token ids)."""
 
     def as_json(self) -> dict[str, Any]:
         return {"core_dumps_off": self.core_dumps_off, "dumpable": self.dumpable,
@@ -149,15 +150,27 @@ M_PERTURB = -6
 PERTURB_BYTE = 0xA5
 TCACHE_OFF = "glibc.malloc.tcache_count=0"
 """glibc's per-thread cache keeps freed chunks of up to 1032 bytes without overwriting them."""
+PYTHON_MALLOC = "malloc"
+"""The interpreter's own allocator (pymalloc) keeps freed objects of up to 512 bytes (a message's text, a list of
+a few dozen token ids) in its pools as they were; with `PYTHONMALLOC=malloc` they are glibc's, which overwrites
+them when freed."""
 
 
-def without_chunk_cache() -> dict[str, str] | None:
-    """The environment to re-execute this process with so that glibc caches no freed chunks (read only at
-    start), or None when it already does not (or this is not Linux)."""
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if sys.platform != "linux" or TCACHE_OFF in tunables:
+def _overwrites_freed() -> bool:
+    """Both settings that only a process's start reads are in force."""
+    return (TCACHE_OFF in os.environ.get("GLIBC_TUNABLES", "")
+            and os.environ.get("PYTHONMALLOC") == PYTHON_MALLOC and not sys.flags.ignore_environment)
+
+
+def without_freed_memory_caches() -> dict[str, str] | None:
+    """The environment to re-execute this process with so that neither glibc nor the interpreter keeps freed
+    memory unwritten (read only at start), or None when it already does not (or this is not Linux)."""
+    if sys.platform != "linux" or _overwrites_freed():
         return None
-    return {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, TCACHE_OFF]))}
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if TCACHE_OFF not in tunables:
+        tunables = ":".join(filter(None, [tunables, TCACHE_OFF]))
+    return {**os.environ, "GLIBC_TUNABLES": tunables, "PYTHONMALLOC": PYTHON_MALLOC}
 
 
 def apply_hygiene(lock_memory: bool = True) -> HygieneState:
@@ -177,10 +190,9 @@ def apply_hygiene(lock_memory: bool = True) -> HygieneState:
     dumpable = libc.prctl(ctypes.c_int(PR_GET_DUMPABLE), zero, zero, zero, zero) != 0
     locked, reason = _lock_all() if lock_memory else (False, "not requested")
     # Freed heap memory is overwritten with this byte (and new allocations with its complement). glibc's
-    # per-thread cache of chunks up to 1032 bytes is exempt; the CLI turns that cache off at start
-    # (GLIBC_TUNABLES, read only when a process starts).
-    perturbed = (libc.mallopt(ctypes.c_int(M_PERTURB), ctypes.c_int(PERTURB_BYTE)) == 1
-                 and TCACHE_OFF in os.environ.get("GLIBC_TUNABLES", ""))
+    # per-thread cache of chunks up to 1032 bytes and the interpreter's pools are exempt; the CLI turns both off
+    # at start (GLIBC_TUNABLES and PYTHONMALLOC, read only when a process starts).
+    perturbed = libc.mallopt(ctypes.c_int(M_PERTURB), ctypes.c_int(PERTURB_BYTE)) == 1 and _overwrites_freed()
     return HygieneState(core_dumps_off=core_dumps_off, dumpable=dumpable, memory_locked=locked,
                         memory_lock_reason=reason, swap_active=_read_swaps(), dump_exclusion=_dump_exclusion_works(),
                         freed_memory_overwritten=perturbed)

@@ -1,7 +1,9 @@
-"""Canaries (issue 11): a request's text and token ids reach no file, and a caller's keys and values leave the
-node's memory once another caller's request has replaced its hot working cache.
+"""Canaries (issues 11 and 33): a request's text and token ids reach no file; they are nowhere in the node's memory
+once its reply has settled (nor after other callers' requests, the caller's key removal or its time to live);
+and a caller's keys and values leave the node's memory once another caller's request has replaced its hot working
+cache.
 
-Both run a real node. The memory canary reads the node's memory through /proc/PID/mem, which the node's
+All run a real node. The memory canary reads the node's memory through /proc/PID/mem, which the node's
 PR_SET_DUMPABLE 0 leaves open to root only (CAP_SYS_PTRACE); elsewhere it is skipped.
 """
 
@@ -27,7 +29,7 @@ from transformers import AutoTokenizer
 
 from node.config import Limits
 from node.engine.loader import load_model
-from tests.node.conftest import Node, stop_node
+from tests.node.conftest import Node, stop_node, tenzro
 
 LINUX = pytest.mark.skipif(sys.platform != "linux", reason="/proc/PID/maps and /proc/PID/mem are Linux's")
 CHUNK_BYTES = 64 << 20
@@ -201,28 +203,39 @@ def scan_memory(pid: int, rows: dict[RowKey, bytes], text: bytes) -> MemoryScan:
     found: dict[RowKey, list[Hit]] = {row: [] for row in rows}
     text_hits: list[Hit] = []
     scanned = 0
+    for region, start, limit, data in memory_chunks(pid, overlap):
+        scanned += len(data)
+        view = np.frombuffer(data, dtype=np.uint32, count=len(data) // 4)
+        candidates = np.flatnonzero(table[view & 0xFFFFFF])
+        for index in candidates[np.isin(view[candidates], words)].tolist():
+            offset = 4 * index
+            for row in by_word[int(view[index])] if start + offset < limit else ():
+                if data[offset:offset + len(rows[row])] == rows[row]:
+                    found[row].append(Hit(start + offset, region))
+        text_hits.extend(Hit(start + offset, region) for offset in occurrences(data, text, limit - start))
+    return MemoryScan(rows, found, text_hits, scanned, time.perf_counter() - started)
+
+
+def memory_chunks(pid: int, overlap: int) -> Iterator[tuple[Region, int, int, bytes]]:
+    """(region, start, limit, bytes from start) over the process's readable memory: a match that starts before
+    `limit` lies whole in the bytes (they run `overlap` past it)."""
     with open(f"/proc/{pid}/mem", "rb", buffering=0) as memory:
         for region in readable_regions(pid):
             for start in range(region.start, region.end, CHUNK_BYTES):
-                limit = min(region.end, start + CHUNK_BYTES)  # matches must start before it; the rest is overlap
+                limit = min(region.end, start + CHUNK_BYTES)
                 try:
                     memory.seek(start)
                     data = memory.read(min(region.end, limit + overlap) - start)
                 except OSError:
                     continue
-                scanned += len(data)
-                view = np.frombuffer(data, dtype=np.uint32, count=len(data) // 4)
-                candidates = np.flatnonzero(table[view & 0xFFFFFF])
-                for index in candidates[np.isin(view[candidates], words)].tolist():
-                    offset = 4 * index
-                    for row in by_word[int(view[index])] if start + offset < limit else ():
-                        if data[offset:offset + len(rows[row])] == rows[row]:
-                            found[row].append(Hit(start + offset, region))
-                offset = data.find(text)
-                while 0 <= offset < limit - start:
-                    text_hits.append(Hit(start + offset, region))
-                    offset = data.find(text, offset + 1)
-    return MemoryScan(rows, found, text_hits, scanned, time.perf_counter() - started)
+                yield region, start, limit, data
+
+
+def occurrences(data: bytes, needle: bytes, limit: int) -> Iterator[int]:
+    offset = data.find(needle)
+    while 0 <= offset < limit:
+        yield offset
+        offset = data.find(needle, offset + 1)
 
 
 @torch.inference_mode()
@@ -247,12 +260,11 @@ def working_cache_rows(model_dir: Path, prompt: list[int]) -> dict[RowKey, bytes
     return rows
 
 
-def wait_settled(node: Node) -> dict[str, Any]:
+def wait_settled(node: Node, operator: str) -> dict[str, Any]:
     """The node's sealing state once nothing is left in the hot tier (settle ran after the last reply)."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(node.base + "/node", timeout=2) as response:
-            sealing: dict[str, Any] = json.load(response)["sealing"]
+        sealing: dict[str, Any] = node.state(operator)["sealing"]
         if sealing["plaintext_bytes"] == 0:
             return sealing
         time.sleep(0.01)
@@ -269,6 +281,7 @@ def test_a_callers_keys_and_values_leave_memory_once_another_callers_request_rep
     except PermissionError:
         pytest.skip("the node is not dumpable: only root (CAP_SYS_PTRACE) may read its memory")
     alice, bob = client(node, node.add_key("alice")), client(node, node.add_key("bob"))
+    operator = node.add_key("ops", "operator")
     model = small_model_dir.name
     rng = random.Random(11)
     # Disjoint token ranges: a layer-0 key depends only on its token and position, a layer-0 value on its token
@@ -281,7 +294,7 @@ def test_a_callers_keys_and_values_leave_memory_once_another_callers_request_rep
     alice.chat.completions.create(model=model, messages=[{"role": "user", "content": f"My code is {marker.decode()}"}],
                                   max_tokens=1, temperature=0)
     alice.completions.create(model=model, prompt=prompt_a, max_tokens=1, temperature=0)
-    assert wait_settled(node)["sealed_bytes"] > 0
+    assert wait_settled(node, operator)["sealed_bytes"] > 0
     with urllib.request.urlopen(node.url + "/v1/node", timeout=5) as response:
         hygiene = json.load(response)["hygiene"]
     assert hygiene["freed_memory_overwritten"] is True  # the node re-ran itself with glibc's chunk cache off
@@ -291,9 +304,153 @@ def test_a_callers_keys_and_values_leave_memory_once_another_callers_request_rep
     assert hot.rows_found() == set(rows)  # the scan sees alice's hot working cache
 
     bob.completions.create(model=model, prompt=prompt_b, max_tokens=1, temperature=0)
-    wait_settled(node)
+    wait_settled(node, operator)
     after = scan_memory(pid, rows, marker)
     print(f"after bob: {after.summary()}; marker text {len(after.text)} copies "
           f"in {Counter(hit.region.describe() for hit in after.text)}")
     left = len(after.rows_found())
     assert left == 0, f"alice's state is still in the node's memory: {after.summary()}"
+
+
+# -- a caller's text and token ids ---------------------------------------------------------------------------
+
+
+SMALL_INTS = 257
+"""The interpreter keeps one object for each int from -5 to 256: a list or tuple of such ids is a run of pointers
+to those objects, in the ids' order."""
+
+
+def small_int_addresses(pid: int) -> dict[int, int]:
+    """Where the interpreter of process `pid` keeps the small ints 0..256: at the same offsets from the start of
+    the interpreter's mapped file as in this process (the same interpreter, at another address)."""
+    def first_mapping(maps: str, path: str) -> int:
+        return min(int(line.split()[0].split("-")[0], 16) for line in maps.splitlines()
+                   if line.split(maxsplit=5)[5:] == [path])
+
+    ours = Path("/proc/self/maps").read_text()
+    for line in ours.splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(part, 16) for part in fields[0].split("-"))
+        if start <= id(0) < end and len(fields) > 5:
+            path = fields[5]
+            break
+    else:
+        raise AssertionError("the small ints lie in no mapped file of this process")
+    base = first_mapping(Path(f"/proc/{pid}/maps").read_text(), path) - first_mapping(ours, path)
+    return {value: base + id(value) for value in range(SMALL_INTS)}
+
+
+@dataclass(frozen=True, slots=True)
+class Canary:
+    """What one caller sends: a chat holding `marker`, and a text prompt of ids all small ints."""
+
+    marker: str
+    marker_ids: list[int]
+    """The marker's ids after its first (which may merge with the text before it)."""
+    small_ids: list[int]
+
+    @staticmethod
+    def make(tokenizer: Any, seed: int) -> Canary:
+        rng = random.Random(seed)
+        marker = " ".join(uuid.UUID(int=rng.getrandbits(128)).hex for _ in range(2))
+        spaced = tokenizer(" " + marker, add_special_tokens=False)["input_ids"]
+        return Canary(marker, spaced[1:], [rng.randrange(SMALL_INTS) for _ in range(48)])
+
+    def send(self, caller: openai.OpenAI, model: str) -> None:
+        messages = [{"role": "system", "content": "You keep codes."},
+                    {"role": "user", "content": f"Remember the code {self.marker} for me."}]
+        first = caller.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": f"Repeat the code {self.marker} once."}]
+        stream = caller.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                                stream=True)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) is not None
+        reused = caller.completions.create(model=model, prompt=self.small_ids, max_tokens=4, temperature=0)
+        again = caller.completions.create(model=model, prompt=self.small_ids, max_tokens=4, temperature=0)
+        assert reused.usage.prompt_tokens == len(self.small_ids)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0  # stored, and found again by its digests
+
+    def needles(self, small_ints: dict[int, int]) -> dict[str, bytes]:
+        """Every form searched for: the marker's words (each is in every copy of the marker), its ids and the
+        small prompt's as int32 and int64 little-endian runs, and the small prompt as a run of pointers."""
+        return {**{f"marker word {i}": word.encode() for i, word in enumerate(self.marker.split())},
+                "marker ids int32": np.array(self.marker_ids, "<i4").tobytes(),
+                "marker ids int64": np.array(self.marker_ids, "<i8").tobytes(),
+                "small ids int32": np.array(self.small_ids, "<i4").tobytes(),
+                "small ids int64": np.array(self.small_ids, "<i8").tobytes(),
+                "small ids as int objects": np.array([small_ints[i] for i in self.small_ids], "<u8").tobytes()}
+
+
+def find_needles(pid: int, needles: dict[str, bytes]) -> dict[str, list[Hit]]:
+    """Every copy of each needle in the process's readable memory, by needle."""
+    found: dict[str, list[Hit]] = {name: [] for name in needles}
+    for region, start, limit, data in memory_chunks(pid, max(map(len, needles.values()))):
+        for name, needle in needles.items():
+            found[name].extend(Hit(start + offset, region) for offset in occurrences(data, needle, limit - start))
+    return found
+
+
+def assert_gone(pid: int, canary: Canary, when: str) -> None:
+    started = time.perf_counter()
+    found = find_needles(pid, canary.needles(small_int_addresses(pid)))
+    print(f"{when}: scanned in {time.perf_counter() - started:.1f} s")
+    assert {name: [hit.region.describe() for hit in hits] for name, hits in found.items() if hits} == {}, when
+
+
+RESERVE_BYTES = 64 << 20
+"""The memory for sealed state that the scanned nodes reserve (the default's gigabyte would only slow the scan)."""
+
+
+@LINUX
+def test_a_callers_text_and_token_ids_are_nowhere_in_memory_once_its_reply_settled(
+        node_factory, small_model_dir: Path) -> None:
+    node = node_factory(small_model_dir, config_text=f"cache:\n  reserve_bytes: {RESERVE_BYTES}\n")
+    pid = node.process.pid
+    try:
+        open(f"/proc/{pid}/mem", "rb").close()
+    except PermissionError:
+        pytest.skip("the node is not dumpable: only root (CAP_SYS_PTRACE) may read its memory")
+    with urllib.request.urlopen(node.url + "/v1/node", timeout=5) as response:
+        assert json.load(response)["hygiene"]["freed_memory_overwritten"] is True
+    model, tokenizer = small_model_dir.name, AutoTokenizer.from_pretrained(small_model_dir)
+    alice, bob = client(node, node.add_key("alice")), client(node, node.add_key("bob"))
+    operator = node.add_key("ops", "operator")
+    canary = Canary.make(tokenizer, seed=1)
+
+    canary.send(alice, model)
+    wait_settled(node, operator)
+    assert_gone(pid, canary, "after alice's replies settled")
+
+    for seed in (2, 3):  # other callers' requests
+        Canary.make(tokenizer, seed).send(bob, model)
+    wait_settled(node, operator)
+    assert_gone(pid, canary, "after bob's requests")
+
+    removed = tenzro("keys", "remove", "alice", "--config", str(node.config), env=node.env)
+    assert removed.returncode == 0, removed.stderr
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while True:  # the node re-reads its config every 0.5 s
+        try:
+            alice.models.list()
+        except openai.AuthenticationError:
+            break
+        assert time.monotonic() < deadline, "alice's key still works"
+        time.sleep(0.1)
+    # The state of a removed key is dropped by the worker before it admits the next request.
+    bob.completions.create(model=model, prompt=[7, 8, 9], max_tokens=1, temperature=0)
+    wait_settled(node, operator)
+    assert_gone(pid, canary, "after alice's key was removed")
+
+    added = tenzro("keys", "add", "dave", "--ttl", "1", "--config", str(node.config), env=node.env)
+    assert added.returncode == 0, added.stderr
+    dave = client(node, added.stdout.strip().splitlines()[-1])
+    entries = wait_settled(node, operator)["entries"]
+    time.sleep(0.6)  # the node re-reads its config every 0.5 s
+    short_lived = Canary.make(tokenizer, seed=4)
+    short_lived.send(dave, model)
+    assert wait_settled(node, operator)["entries"] > entries
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while node.state(operator)["sealing"]["entries"] > entries:  # unused for a second: expired at the next tick
+        assert time.monotonic() < deadline, "dave's state did not expire"
+        time.sleep(0.1)
+    assert_gone(pid, short_lived, "after dave's time to live")
