@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from attestation.cli import add_verify_parser
 from bench.agent import add_agent_bench
+from bench.hostile import add_hostile_bench
 from bench.load import add_load_bench
 from bench.reuse import add_reuse_bench
 from bench.route import add_route_bench
@@ -79,12 +80,12 @@ def _attestation_line(identity: NodeIdentity) -> str:
 def _serve(args: argparse.Namespace) -> int:
     # First, so that the memory lock covers everything loaded after it.
     from attestation.errors import EvidenceUnavailable
-    from node.hygiene import HygienePolicy, apply_hygiene, without_chunk_cache
+    from node.hygiene import HygienePolicy, apply_hygiene, without_freed_memory_caches
     from node.identity import NodeIdentity
     from policies.node_policy import NodePolicyError, hardware_unmet, load_node_policy, with_jurisdiction
 
-    environment = without_chunk_cache()
-    if environment is not None:  # once: glibc reads its tunables only when a process starts
+    environment = without_freed_memory_caches()
+    if environment is not None:  # once: glibc's tunables and the interpreter's allocator are read at start
         os.execve(sys.executable, [sys.executable, "-m", "node", *_ARGV], environment)
 
     hygiene = apply_hygiene()
@@ -106,7 +107,6 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
     import torch
-    from aiohttp import web
 
     from cache.working_cache import FRESH_BUFFER_HOOKS
     from node.hygiene import exclude_from_dumps
@@ -121,6 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
     from node.engine.loader import ModelLoadError, load_model, resolve_model_dir
     from node.meter import MeteringPaths, ensure_price_file
     from node.service import ModelService
+    from router.edge import serve
 
     torch.set_num_threads(args.threads)
     config_path = Path(args.config) if args.config else default_config_path()
@@ -162,9 +163,8 @@ def _serve(args: argparse.Namespace) -> int:
                + f"Forward: {forward.name} ({forward.reason}); TENZRO_NATIVE=off selects transformers' forward\n"
                + _lanes_line(service, config.limits.max_running) + _reserve_line(service))
     try:
-        # handler_cancellation: a client that goes away cancels its handler, which stops its generation.
-        web.run_app(app, host=args.host, port=args.port, access_log=None, handler_cancellation=True,
-                    print=lambda _: print(
+        # A client that goes away cancels its handler, which stops its generation (router.edge.EdgeRunner).
+        serve(app, args.host, args.port, config.limits.header_timeout_s, started=lambda: print(
             message + _metering_lines(app[METER], metering, created_prices) + _attestation_line(identity),
             flush=True))
     except (LedgerError, PricingError, OSError) as exc:  # the meter's files, or the port, at startup
@@ -294,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_scenarios_bench(bench)
     add_route_bench(bench)
     add_load_bench(bench)
+    add_hostile_bench(bench)
     add_audit_commands(groups)
     add_router_commands(groups)
     attest = groups.add_parser("attest", help="attestation evidence").add_subparsers(dest="command", required=True)

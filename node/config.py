@@ -63,6 +63,19 @@ class Limits:
     """Working memory given to the `max_running` lanes at start, in all, per model (`Runner.reserve_lanes`):
     written once then, so the first requests after a start do not fault fresh pages in on their time to first
     token. 0: lanes are allocated when first used. Lanes grow past it when a request needs more."""
+    max_messages: int = 4096
+    """Messages in one chat request at most, checked before they are rendered. Twice the 2,048 that Azure
+    OpenAI's chat API takes, which agents and their clients already live within; a conversation this long
+    is hundreds of tool calls past where agents compact their history."""
+    header_timeout_s: int = 10
+    """Seconds a request's head (request line and headers) may take to arrive (`router.edge.HeadDeadline`): a
+    head is a few hundred bytes, sent at once by any client; ten seconds still covers three lost and resent
+    packets (TCP waits 1, 2, then 4 s), and a stalled head's connection is closed then instead of at the
+    keep-alive timeout (75 s)."""
+    body_timeout_s: int = 30
+    """Seconds a request's body may take to arrive once its head has: the largest body (`max_body_bytes`, 8 MiB)
+    needs about 2.2 Mbit/s to make it; a chat's body of tens of kilobytes makes it on any link. Raise it for
+    callers who send large prompts over slower links."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +92,8 @@ class NodeConfig:
 
 
 ROLES = ("caller", "auditor", "operator", "router")
-"""caller: completions and its own records; auditor: every record; operator: /metrics and the queue in /health;
+"""caller: completions and its own records; auditor: every record; operator: /metrics, GET /v1/node/state and the
+queue in /health (neither auditors nor operators run completions);
 router: completions as itself or for the callers it names in `Tenzro-Caller` (each one its own scope), the queue
 in /health, and the summary of its callers' warm prefixes (`GET /v1/cache/summary`)."""
 
@@ -146,8 +160,9 @@ def parse_config(raw: Any) -> NodeConfig:
     defaults = NodeConfig()
     cache = _section(top.get("cache"), "cache", {"node_bytes", "caller_bytes", "plaintext_bytes", "reserve_bytes"})
     limits = _section(top.get("limits"), "limits", {"max_queue", "max_body_bytes", "default_max_tokens",
-                                                    "max_running", "prefill_chunk", "lane_bytes"})
-    for key in ("max_running", "prefill_chunk"):
+                                                    "max_running", "prefill_chunk", "lane_bytes",
+                                                    "header_timeout_s", "body_timeout_s", "max_messages"})
+    for key in ("max_running", "prefill_chunk", "header_timeout_s", "body_timeout_s", "max_messages"):
         if limits.get(key) == 0:
             raise ConfigError(f"'limits.{key}' must be at least 1")
     budget = CacheBudget(cache.get("node_bytes", defaults.cache.node_bytes),
@@ -185,7 +200,10 @@ def _dump(config: NodeConfig) -> dict[str, Any]:
                   "plaintext_bytes": config.plaintext_bytes, "reserve_bytes": config.reserve_bytes},
         "limits": {"max_queue": config.limits.max_queue, "max_body_bytes": config.limits.max_body_bytes,
                    "default_max_tokens": config.limits.default_max_tokens, "max_running": config.limits.max_running,
-                   "prefill_chunk": config.limits.prefill_chunk, "lane_bytes": config.limits.lane_bytes},
+                   "prefill_chunk": config.limits.prefill_chunk, "lane_bytes": config.limits.lane_bytes,
+                   "header_timeout_s": config.limits.header_timeout_s,
+                   "body_timeout_s": config.limits.body_timeout_s,
+                   "max_messages": config.limits.max_messages},
     }
 
 

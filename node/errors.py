@@ -34,6 +34,18 @@ class Unauthenticated(NodeError):
     default_code = "invalid_api_key"
 
 
+class RequestTimeout(NodeError):
+    """The request's body did not arrive within `limits.body_timeout_s`."""
+
+    default_code = "body_timeout"
+
+
+class UnsupportedMediaType(NodeError):
+    """The body is in a form no route reads: compressed (`Content-Encoding`), or not JSON where JSON is required."""
+
+    default_code = "unsupported_media_type"
+
+
 class PermissionDenied(NodeError):
     kind = "permission_error"
     default_code = "forbidden"

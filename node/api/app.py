@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,8 @@ from aiohttp import web
 from cache.summary import SummaryFilters
 from node.api import completions, identity, operations, records, rpc, summary
 from node.api.keys import CONFIG, HYGIENE, IDENTITY, KEYRING, METER, METRICS, POLICY, PREPARE, SERVICE, SUMMARIES
-from node.api.middleware import auth_middleware, error_middleware
+from node.api.middleware import auth_middleware, coding_middleware, error_middleware
+from node.api.prepare import FairPreparation
 from node.auth import KeyRing
 from node.config import NodeConfig
 from node.identity import NodeIdentity
@@ -27,7 +27,9 @@ from node.metrics import NodeMetrics
 from node.service import ModelService
 from policies.node_policy import NodePolicy
 
-PREPARE_THREADS = 2
+PREPARE_THREADS = 4
+"""Preparation threads in all. Each caller runs on one at most (`node.api.prepare`): callers flooding expensive
+bodies hold one each, and a caller arriving finds a free thread unless four others are all preparing."""
 METER_CLOSE_TIMEOUT_S = 30.0
 KEY_REFRESH_S = 0.5
 """How often the config is re-read: a removed key's state is destroyed within this much (plus the job running)."""
@@ -38,9 +40,10 @@ ROUTE_TABLES = (completions.routes, records.routes, identity.routes, operations.
 def create_app(config: NodeConfig, config_path: Path, service: ModelService, metering: MeteringPaths,
                node_identity: NodeIdentity, policy: NodePolicy, hygiene: dict[str, Any] | None = None
                ) -> web.Application:
-    # Errors outermost: an authentication failure leaves as JSON too.
+    # Errors outermost: an authentication failure leaves as JSON too. A compressed body is refused before any key
+    # is checked.
     app = web.Application(client_max_size=config.limits.max_body_bytes,
-                          middlewares=[error_middleware, auth_middleware])
+                          middlewares=[error_middleware, coding_middleware, auth_middleware])
     app[CONFIG] = config
     scheduler, runner = service.scheduler, service.runner
     app[SUMMARIES] = SummaryFilters()
@@ -72,13 +75,13 @@ def create_app(config: NodeConfig, config_path: Path, service: ModelService, met
             app[KEYRING].refresh()
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[PREPARE] = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
+        app[PREPARE] = FairPreparation(PREPARE_THREADS)
         scheduler.start()
         watcher = asyncio.create_task(watch_keys(app))
         yield
         watcher.cancel()
         scheduler.stop()
-        app[PREPARE].shutdown(wait=False, cancel_futures=True)
+        app[PREPARE].shutdown()
 
     async def meter_ctx(app: web.Application) -> AsyncIterator[None]:
         # The boot's evidence beside its segment: an auditor checks the segment's key against it offline.

@@ -20,6 +20,7 @@ from metering.ledger import LedgerError
 from metering.record import UsageRecord
 from node.api.body import off_loop, read_body
 from node.api.keys import CALLER, CONFIG, IDENTITY, METER, METRICS, POLICY, SERVICE
+from node.auth import ROUTER, require_role
 from node.config import Caller
 from node.engine.runner import GenerationRequest, GenerationResult
 from node.engine.scheduler import Event, Failed, Finished, Job, QueueFullError, TextDelta
@@ -33,7 +34,7 @@ from node.errors import (
     queue_full,
 )
 from node.meter import Completion, MeteredJob
-from node.openai_schema import CommonParams, parse_chat, parse_completion
+from node.openai_schema import ChatBounds, CommonParams, parse_chat, parse_completion
 from node.service import ModelService, Prompt
 from policies.requirements import (
     NO_REQUIREMENTS,
@@ -47,6 +48,9 @@ from policies.requirements import (
 
 routes = web.RouteTableDef()
 
+RUNS_COMPLETIONS = ("caller", ROUTER)
+"""Roles whose keys run the model: callers, and routers as themselves or (as a caller) for their callers. An
+auditor's or operator's key reads records or the node's state; it is not billed for completions."""
 METERING_RETRY_AFTER_S = 5
 """A ledger that failed to append (a full or failing disk) needs an operator: retry later, not at once."""
 
@@ -243,9 +247,12 @@ async def _stream(request: web.Request, response: web.StreamResponse, job: Meter
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    caller = request[CALLER]
+    caller = require_role(request[CALLER], "POST /v1/chat/completions", *RUNS_COMPLETIONS)
     check_requirements(request, caller)
-    chat = await read_body(request, parse_chat)
+    loaded = request.app[SERVICE].loaded
+    bounds = ChatBounds(request.app[CONFIG].limits.max_messages, loaded.context_length, loaded.max_token_bytes,
+                        loaded.message_tokens)
+    chat = await read_body(request, lambda body: parse_chat(body, bounds))
     service = _service(request, chat.params.model)
     prompt = await off_loop(request, service.chat_prompt, chat.messages, caller.router is not None)
     return await _respond(request, service, caller, prompt, chat.params, Shape(True, service.model_id))
@@ -253,7 +260,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
-    caller = request[CALLER]
+    caller = require_role(request[CALLER], "POST /v1/completions", *RUNS_COMPLETIONS)
     check_requirements(request, caller)
     completion = await read_body(request, parse_completion)
     service = _service(request, completion.params.model)

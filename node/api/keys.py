@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
 
 from cache.summary import SummaryFilters
+from node.api.prepare import FairPreparation
 from node.auth import KeyRing
 from node.config import Caller, NodeConfig
 from node.identity import NodeIdentity
@@ -21,8 +21,9 @@ KEYRING = web.AppKey("keyring", KeyRing)
 SERVICE = web.AppKey("service", ModelService)
 METRICS = web.AppKey("metrics", NodeMetrics)
 METER = web.AppKey("meter", Meter)
-PREPARE = web.AppKey("prepare", ThreadPoolExecutor)
-"""Threads for the steps of a request that grow with its size (parsing, rendering, tokenizing)."""
+PREPARE = web.AppKey("prepare", FairPreparation)
+"""Threads for the steps of a request that grow with its size (parsing, rendering, tokenizing), shared among
+callers in turn."""
 HYGIENE = web.AppKey("hygiene", dict[str, Any])
 IDENTITY = web.AppKey("identity", NodeIdentity)
 POLICY = web.AppKey("policy", NodePolicy)

@@ -23,11 +23,14 @@ from node.errors import (
     NotFound,
     Overloaded,
     PermissionDenied,
+    RequestTimeout,
     RequirementNotMet,
     Unauthenticated,
     Unavailable,
+    UnsupportedMediaType,
 )
 from node.log_privacy import Safe
+from router.edge import coding_refusal
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,9 @@ STATUS: dict[type[NodeError], int] = {
     Unauthenticated: 401,
     PermissionDenied: 403,
     NotFound: 404,
+    RequestTimeout: 408,
     RequirementNotMet: 412,  # the conditions the request states (its headers, its caller's config) are not met
+    UnsupportedMediaType: 415,
     ModelFailure: 500,
     Overloaded: 503,
     Unavailable: 503,
@@ -50,6 +55,9 @@ CLIENT_GONE = "499"
 PUBLIC_ROUTES = frozenset({"/health", "/v1/node", "/v1/attestation", "/rpc"})
 """Routes that answer without a key. A key sent to them is still checked, and what they show beyond the public
 part depends on it (`/health`'s queue depth for operators; JSON-RPC methods that read a caller's records)."""
+SELF_AUTHENTICATED = frozenset({"/rpc"})
+"""Public routes that call `authenticate` themselves, to answer a refused key in their own protocol (JSON-RPC's
+error objects, one per call)."""
 
 
 def status_of(error: NodeError) -> int:
@@ -107,6 +115,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise
     except NodeError as exc:
         response = node_error_response(exc)
+        if isinstance(exc, RequestTimeout):
+            response.force_close()  # the rest of the body may still come, and would read as the next request
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[CONFIG].limits.max_body_bytes
         response = _http_error(413, f"the request body is larger than the limit of {limit} bytes",
@@ -123,16 +133,38 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 @web.middleware
-async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def coding_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse a compressed body (415) or an unknown `Content-Encoding` (400) before the body is read or a key is
+    checked: no route takes a compressed body, and inflating is work a stranger could make the node do
+    (`router.edge`; the server inflates nothing either way)."""
+    refusal = coding_refusal(request.headers)
+    if refusal is not None:
+        raise (UnsupportedMediaType if refusal.compressed else InvalidRequest)(refusal.message, code=refusal.code)
+    return await handler(request)
+
+
+def authenticate(request: web.Request, required: bool) -> None:
     """Put the effective caller of the request on it (`CALLER`): the caller of its API key or, for a router key
-    sending `Tenzro-Caller`, the caller the router acts for (`node.auth.acting_for`). Required on every matched
-    route but the public ones, checked on those too when a key or `Tenzro-Caller` is sent. Unmatched paths go on
-    to their 404 or 405."""
-    route = _route(request)
-    authorization = request.headers.get("Authorization")
+    sending `Tenzro-Caller`, the caller the router acts for (`node.auth.acting_for`). Without a key nor
+    `Tenzro-Caller`, raises Unauthenticated if `required`, else leaves the request without a caller."""
+    authorization = request.headers.getall("Authorization", [])
     asserted = request.headers.getall(CALLER_HEADER, [])
-    if route is not None and (route not in PUBLIC_ROUTES or authorization is not None or asserted):
-        caller = request.app[KEYRING].caller_for(authorization)
-        # The header sent twice reads as its values joined by ", " (RFC 9110), which no caller id matches.
-        request[CALLER] = acting_for(caller, ", ".join(asserted)) if asserted else caller
+    if not (required or authorization or asserted):
+        return
+    if len(authorization) > 1:  # which one would count is a guess: refused rather than guessed
+        raise Unauthenticated(f"the request has {len(authorization)} Authorization headers: send one, "
+                              f"'Authorization: Bearer <key>'", code="duplicate_authorization")
+    caller = request.app[KEYRING].caller_for(authorization[0] if authorization else None)
+    # The header sent twice reads as its values joined by ", " (RFC 9110), which no caller id matches.
+    request[CALLER] = acting_for(caller, ", ".join(asserted)) if asserted else caller
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """`authenticate` every matched route: required on all but the public ones, checked on those too when a key
+    or `Tenzro-Caller` is sent; the routes in SELF_AUTHENTICATED call it themselves. Unmatched paths go on to
+    their 404 or 405."""
+    route = _route(request)
+    if route is not None and route not in SELF_AUTHENTICATED:
+        authenticate(request, required=route not in PUBLIC_ROUTES)
     return await handler(request)

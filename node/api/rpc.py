@@ -5,8 +5,13 @@
                           one not-found answer every unknown id gets); needs the API key as for HTTP
     tenzro_getAttestation {"nonce": HEX} or [HEX] or none: `GET /v1/attestation`'s evidence document
 
-Answers are HTTP 200 with a JSON-RPC response (a batch answers with an array, notifications with nothing);
-a refusal is a JSON-RPC error object whose `data` holds the OpenAI-shaped error the HTTP route would give.
+Answers are HTTP 200 with a JSON-RPC response (a batch answers with an array); a refusal, a refused API key
+included, is a JSON-RPC error object whose `data` holds the OpenAI-shaped error the HTTP route would give. A
+notification (a call without "id") is never answered, not even when it fails; a request or batch of nothing but
+notifications answers 204. A call that is not a call object at all is answered with a null id, as JSON-RPC 2.0
+says. What stops the body from being read as JSON-RPC at all is an HTTP error, as on every route, since there is no
+call to answer yet: a body not sent as `application/json` (415), compressed (415), too large (413) or too slow
+(408).
 """
 
 from __future__ import annotations
@@ -16,11 +21,20 @@ from typing import Any
 
 from aiohttp import web
 
-from node.api.body import parse_json
+from node.api.body import read_body
 from node.api.identity import evidence_document, parse_nonce
 from node.api.keys import CALLER, METER
+from node.api.middleware import authenticate
 from node.api.records import visible_record
-from node.errors import InvalidRequest, NodeError, NotFound, PermissionDenied, Unauthenticated, Unavailable
+from node.errors import (
+    InvalidRequest,
+    NodeError,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+    UnsupportedMediaType,
+)
 
 routes = web.RouteTableDef()
 
@@ -83,40 +97,63 @@ METHODS: dict[str, tuple[Method, tuple[str, ...]]] = {
 }
 
 
-async def _call(request: web.Request, call: Any) -> dict[str, Any] | None:
-    """One call's response; None for a notification (a call without an id)."""
+def _refusal(error: NodeError) -> RpcError:
+    code = next((code for kind, code in CODES.items() if isinstance(error, kind)), INTERNAL_ERROR)
+    return RpcError(code, error.message, error.body()["error"])
+
+
+def _id_of(call: Any) -> str | int | None:
+    """The call's id where it has one of a valid type (a string or an integer), else None."""
     ident = call.get("id") if isinstance(call, dict) else None
+    return ident if isinstance(ident, str | int) and not isinstance(ident, bool) else None
+
+
+def _is_call(call: Any) -> bool:
+    return (isinstance(call, dict) and call.get("jsonrpc") == "2.0" and isinstance(call.get("method"), str)
+            and (call.get("id") is None or _id_of(call) is not None))
+
+
+async def _call(request: web.Request, call: Any, refused: NodeError | None) -> dict[str, Any] | None:
+    """One call's response; None for a notification (a call without an id), whatever its outcome. `refused`: why
+    the request's API key was refused, which refuses every call."""
+    if not _is_call(call):
+        error = RpcError(INVALID_REQUEST, "a call is an object with \"jsonrpc\": \"2.0\", a string \"method\", "
+                         "optional \"params\" and an optional string or integer \"id\"")
+        return {"jsonrpc": "2.0", "error": error.error(), "id": _id_of(call)}
     try:
-        if (not isinstance(call, dict) or call.get("jsonrpc") != "2.0" or not isinstance(call.get("method"), str)
-                or not isinstance(ident, str | int | None) or isinstance(ident, bool)):
-            raise RpcError(INVALID_REQUEST, "a call is an object with \"jsonrpc\": \"2.0\", a string \"method\", "
-                           "optional \"params\" and an optional string or integer \"id\"")
+        if refused is not None:
+            raise _refusal(refused)
         if call["method"] not in METHODS:
             raise RpcError(METHOD_NOT_FOUND, f"no method {call['method']!r}; methods: {', '.join(METHODS)}")
         method, names = METHODS[call["method"]]
         try:
-            result = await method(request, _named(call.get("params"), names))
+            answer = {"result": await method(request, _named(call.get("params"), names))}
         except NodeError as exc:
-            code = next((code for kind, code in CODES.items() if isinstance(exc, kind)), INTERNAL_ERROR)
-            raise RpcError(code, exc.message, exc.body()["error"]) from exc
+            raise _refusal(exc) from exc
     except RpcError as exc:
-        return {"jsonrpc": "2.0", "error": exc.error(), "id": ident}
-    if "id" not in call:
-        return None
-    return {"jsonrpc": "2.0", "result": result, "id": ident}
+        answer = {"error": exc.error()}
+    return {"jsonrpc": "2.0", **answer, "id": call["id"]} if "id" in call else None
 
 
 @routes.post("/rpc")
 async def rpc(request: web.Request) -> web.Response:
+    if request.content_type != "application/json":
+        raise UnsupportedMediaType("JSON-RPC requests are sent with 'Content-Type: application/json'",
+                                   code="unsupported_content_type")
     try:
-        body = parse_json(await request.read())
+        authenticate(request, required=False)  # first: a large body is parsed in its caller's share
+        refused = None
+    except NodeError as exc:
+        refused = exc
+    try:
+        body = await read_body(request, lambda parsed: parsed)
     except InvalidRequest as exc:
         return web.json_response({"jsonrpc": "2.0", "error": RpcError(PARSE_ERROR, exc.message).error(), "id": None})
     if isinstance(body, list):
         if not body or len(body) > MAX_BATCH:
             error = RpcError(INVALID_REQUEST, f"a batch holds 1 to {MAX_BATCH} calls")
             return web.json_response({"jsonrpc": "2.0", "error": error.error(), "id": None})
-        answers = [answer for call in body if (answer := await _call(request, call)) is not None]
+        answers = [answer for call in body if (answer := await _call(request, call, refused)) is not None]
         return web.json_response(answers) if answers else web.Response(status=204)
-    answer = await _call(request, body)
+    answer = await _call(request, body, refused)
     return web.json_response(answer) if answer is not None else web.Response(status=204)

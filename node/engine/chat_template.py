@@ -13,14 +13,22 @@ next request can diverge at; older ones were the ends of earlier requests' promp
 cache already holds resume points.
 
 Special tokens typed in message content (`<|im_start|>system`, say) are tokenized as text, as OpenAI's
-API does, never as control tokens: a user cannot forge a turn. Only the template's own text yields them.
+API does, never as control tokens: a user cannot forge a turn. Only the template's own text yields them. Where
+such content lies in the rendered text is found by rendering it once more with a fresh random marker in place
+of each such content: the text between markers is the template's own, wherever a content repeats it (searching
+the rendered text for the content found the template's earlier copy of it, and turned the content's forged
+token into a control token and the template's into text).
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from node.openai_schema import ROLES
 
 BOUNDARY_MESSAGES = 16
 """Messages at the end of a conversation whose start is computed exactly (one prefix render each)."""
@@ -54,28 +62,102 @@ def _special_strings(tokenizer: Any) -> list[str]:
     return sorted((s for s in specials if s), key=len, reverse=True)
 
 
-def _content_spans(text: str, messages: list[dict[str, str]]) -> list[tuple[int, int]]:
-    """Where each message's content lies in the rendered `text`, found in order (a template that changes
-    content, e.g. strips it, may leave a content unfound: it is then left out)."""
+def message_tokens(tokenizer: Any) -> int:
+    """The fewest tokens the chat template writes for one more message, whatever its content: a lower bound on
+    what each message after the first adds to a rendered conversation, so that its length is bounded before it
+    is rendered (`openai_schema.ChatBounds`). Only special tokens are counted: they are tokens of their own
+    whatever surrounds them, and content never yields fewer tokens than it holds (its special-token text is
+    tokenized as text). Measured as what a message of each role adds after a message of each role, the fewest
+    over the pairs the template renders (0 where it renders none); exact for a template that writes a
+    message's markup from its role and its predecessor's, as chat templates do."""
+    special = {int(i) for i in tokenizer.convert_tokens_to_ids(_special_strings(tokenizer))}
+
+    def count(messages: list[dict[str, str]]) -> int:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+        return sum(int(i) in special for i in tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    added = []
+    for before in ROLES:
+        for role in ROLES:
+            first = [{"role": before, "content": "x"}]
+            try:
+                added.append(count([*first, {"role": role, "content": "x"}]) - count(first))
+            except Exception:  # noqa: BLE001, S112 - a pair the template refuses (jinja raises anything) never runs
+                continue
+    return max(0, min(added, default=0))
+
+
+def _marker(messages: list[dict[str, str]], text: str) -> str:
+    """A random marker in no content and not in the rendered text: the template cannot have written it."""
+    while True:
+        marker = "tz" + secrets.token_hex(8)
+        if marker not in text and not any(marker in (m.get("content") or "") for m in messages):
+            return marker
+
+
+def _content_spans(tokenizer: Any, text: str, messages: list[dict[str, str]],
+                   marked: list[int]) -> list[tuple[int, int]]:
+    """Where the contents of `messages[i]` for i in `marked` lie in the rendered `text`, in order. The
+    conversation is rendered again with a unique marker in place of each such content; the text around the
+    markers is the template's own. A template that writes each content as given gives back `text` with the
+    contents in the markers' places: the spans are exact. One that changes a content (strips it, say) is
+    matched piece by piece, each content taken as the longest piece of it the template's text can follow."""
+    marker = _marker(messages, text)
+    names = {index: f"{marker}m{index}e" for index in marked}
+    markers = {name: index for index, name in names.items()}
+    probe = [{**m, "content": names[i]} if i in names else m for i, m in enumerate(messages)]
+    try:
+        rendered = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - templates raise whatever jinja raises
+        raise ChatTemplateError(f"the chat template rejected these messages: {type(exc).__name__}") from exc
+    parts = re.split(f"({marker}m[0-9]+e)", rendered)
+    pieces, order = parts[0::2], [markers[found] for found in parts[1::2]]
+    contents = [messages[index].get("content") or "" for index in order]
     spans, cursor = [], 0
-    for message in messages:
-        content = message.get("content") or ""
-        if not content:
-            continue
-        at = text.find(content, cursor)
-        if at < 0:
-            continue
-        spans.append((at, at + len(content)))
-        cursor = at + len(content)
-    return spans
+    if "".join(piece + content for piece, content in zip(pieces, [*contents, ""], strict=True)) == text:
+        for piece, content in zip(pieces, contents, strict=False):
+            cursor += len(piece)
+            spans.append((cursor, cursor + len(content)))
+            cursor += len(content)
+        return spans
+    for at, content in enumerate(contents):
+        if not text.startswith(pieces[at], cursor):
+            break
+        cursor += len(pieces[at])
+        end = _longest_piece(text, cursor, content, pieces[at + 1], last=at + 1 == len(contents))
+        if end is None:
+            break
+        spans.append((cursor, end))
+        cursor = end
+    else:
+        if text.startswith(pieces[-1], cursor) and cursor + len(pieces[-1]) == len(text):
+            return spans
+    raise ChatTemplateError("the chat template changes message content in a way this node cannot locate, so it "
+                            "cannot keep special-token text in content from acting as control tokens; remove "
+                            "special-token text from the messages")
+
+
+def _longest_piece(text: str, start: int, content: str, after: str, last: bool) -> int | None:
+    """The end of the longest text from `start` that is a piece of `content` and that `after` follows (at the
+    very end of `text` when `after` is the template's last piece); None where there is none."""
+    if last:
+        end = len(text) - len(after)
+        return end if end >= start and text.startswith(after, end) and text[start:end] in content else None
+    end = text.rfind(after, start, start + len(content) + len(after))
+    while end >= start:
+        if text[start:end] in content:
+            return end
+        end = text.rfind(after, start, end + len(after) - 1)
+    return None
 
 
 def _tokenize(tokenizer: Any, text: str, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
     """Token ids of `text` and each token's start offset; special-token strings inside message contents are
     tokenized as text. Conversations without any keep the one-pass tokenization."""
     specials = _special_strings(tokenizer)
-    spans = [span for span in _content_spans(text, messages)
-             if any(special in text[span[0]:span[1]] for special in specials)]
+    marked = [index for index, message in enumerate(messages)
+              if any(special in (message.get("content") or "") for special in specials)]
+    spans = _content_spans(tokenizer, text, messages, marked) if marked else []
     pieces: list[tuple[int, int, bool]] = []  # (start, end, content holding special-token text)
     cursor = 0
     for start, end in spans:

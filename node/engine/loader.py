@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from cache.adapters import ModelStateAdapter
 from cache.state_spec import UnsupportedLayerKindError, model_state_specs
 from node.engine import mamba1, mamba2
-from node.engine.chat_template import max_token_bytes
+from node.engine.chat_template import max_token_bytes, message_tokens
 from node.engine.cpu_decoder import CpuDecoder, unsupported_reason
 from node.engine.cpu_kernels import load_kernels
 from node.engine.cpu_layout import transpose_linear_weights
@@ -60,6 +60,9 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_token_bytes: int
     """The most bytes of text one token stands for (`chat_template.max_token_bytes`)."""
+    message_tokens: int
+    """The fewest tokens the chat template writes for each message after the first (`chat_template.message_tokens`;
+    0 without a template)."""
     state: ModelStateAdapter | None
     """How to cut and restore this model's state; None when some layer kind is not supported yet."""
     reuse_blocker: str | None
@@ -232,6 +235,7 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
     loaded = LoadedModel(model_id=model_id, path=path, model=model, tokenizer=tokenizer, context_length=context,
                          device=target, dtype=torch_dtype, eos_token_ids=_eos_ids(model, tokenizer),
                          max_token_bytes=max_token_bytes(tokenizer), state=state,
+                         message_tokens=message_tokens(tokenizer) if getattr(tokenizer, "chat_template", None) else 0,
                          reuse_blocker=blocker, decoder=decoder, forward_path=path_taken, last_row=last_row)
     if state is not None:
         check = check_reuse(loaded.forward, state, int(text_config.vocab_size), torch_dtype)

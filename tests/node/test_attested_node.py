@@ -104,7 +104,7 @@ def test_a_node_without_a_tee_attests_none_and_refuses_what_its_callers_require(
                           {"jsonrpc": "1.0", "method": "tenzro_getAttestation", "id": 6},
                           {"jsonrpc": "2.0", "method": "tenzro_getAttestation"}])  # a notification: no answer
     assert [(item["id"], item["error"]["code"]) for item in batch] == [(4, -32601), (5, -32602), (6, -32600)]
-    request = urllib.request.Request(node.url + "/rpc", data=b"{not json")
+    request = urllib.request.Request(node.url + "/rpc", data=b"{not json", headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as response:
         assert json.load(response)["error"]["code"] == -32700
 

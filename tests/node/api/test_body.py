@@ -22,3 +22,17 @@ def test_valid_bodies_parse_the_same_small_and_large() -> None:
     raw = '{"prompt": "h\\u00e9llo w\u00f6rld", "ids": [1, 2.5, -3], "flags": [true, false, null]}'.encode()
     small, large = parse_json(raw), parse_json(raw + PAD)
     assert small == large == {"prompt": "h\u00e9llo w\u00f6rld", "ids": [1, 2.5, -3], "flags": [True, False, None]}
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (b'{"n": ' + b"7" * 5000 + b"}", "an integer has more than 4300 digits"),
+    (b"[" * 100_000 + b"]" * 100_000, "it nests too deeply"),
+])
+def test_numbers_and_nesting_past_the_parsers_limits_are_refused_the_same_small_and_large(raw: bytes,
+                                                                                         message: str) -> None:
+    """The large-body parser (json) raised ValueError past 4,300 digits and RecursionError past its depth: 500s."""
+    for body in (raw, raw + PAD):
+        with pytest.raises(InvalidRequest) as caught:
+            parse_json(body)
+        assert caught.value.code == "invalid_json"
+    assert caught.value.message == f"the request body is not valid JSON: {message}"
