@@ -40,6 +40,12 @@ class RequestTimeout(NodeError):
     default_code = "body_timeout"
 
 
+class BodyTooLarge(NodeError):
+    """The request's body is larger than its route takes."""
+
+    default_code = "request_too_large"
+
+
 class UnsupportedMediaType(NodeError):
     """The body is in a form no route reads: compressed (`Content-Encoding`), or not JSON where JSON is required."""
 

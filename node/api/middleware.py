@@ -17,6 +17,7 @@ from aiohttp import web, web_protocol
 from node.api.keys import CALLER, CONFIG, KEYRING, METRICS
 from node.auth import CALLER_HEADER, acting_for
 from node.errors import (
+    BodyTooLarge,
     InvalidRequest,
     ModelFailure,
     NodeError,
@@ -43,6 +44,7 @@ STATUS: dict[type[NodeError], int] = {
     NotFound: 404,
     RequestTimeout: 408,
     RequirementNotMet: 412,  # the conditions the request states (its headers, its caller's config) are not met
+    BodyTooLarge: 413,
     UnsupportedMediaType: 415,
     ModelFailure: 500,
     Overloaded: 503,
@@ -115,7 +117,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise
     except NodeError as exc:
         response = node_error_response(exc)
-        if isinstance(exc, RequestTimeout):
+        if isinstance(exc, RequestTimeout | BodyTooLarge):
             response.force_close()  # the rest of the body may still come, and would read as the next request
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[CONFIG].limits.max_body_bytes

@@ -11,12 +11,19 @@ preparing. Requests without a caller (public routes called without a key) are on
 Jobs are not preempted: a running job keeps its thread, and its share, until it returns, even when its request
 has been cancelled (the work is bounded by the request limits). A job still waiting when its request is cancelled
 never runs. All bookkeeping is on the event loop's thread.
+
+Reading a large body costs the event loop too, before any thread is involved, and a body refused once it is read
+(too many messages, over the context) has cost the node that and its parse for nothing. So a share whose large
+body was refused waits `REFUSAL_BACKOFF` times what that body cost before its next large body is read
+(`refused`, `backoff`): a caller looping such bodies gets at most a fraction of the node, and others' requests
+go on beside it. A caller whose bodies are accepted never waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +34,9 @@ T = TypeVar("T")
 
 ANONYMOUS: str | None = None
 """The share of requests with no authenticated caller (no caller's name is None)."""
+REFUSAL_BACKOFF = 4.0
+"""How many times a refused large body's cost its share waits before its next large body is read: a share looping
+refused bodies occupies the node at most 1 / (1 + REFUSAL_BACKOFF) of the time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +59,8 @@ class FairPreparation:
         """The shares with a job waiting or running, in turn: a share whose job ends goes behind the others."""
         self._running: set[str | None] = set()
         self._closed = False
+        self._backoff: dict[str | None, float] = {}
+        """Per share: the monotonic time before which its next large body is not read."""
 
     @property
     def running(self) -> frozenset[str | None]:
@@ -101,6 +113,20 @@ class FairPreparation:
                 job.done.set_result(finished.result())
         if not self._closed:
             self._dispatch()
+
+    def refused(self, share: str | None, spent_s: float) -> None:
+        """A large body of `share` was read and refused after `spent_s` seconds of the node's work."""
+        now = time.monotonic()
+        self._backoff[share] = max(self._backoff.get(share, now), now) + REFUSAL_BACKOFF * spent_s
+        for other, until in list(self._backoff.items()):  # forget the shares whose wait is over
+            if until <= now:
+                del self._backoff[other]
+
+    async def backoff(self, share: str | None) -> None:
+        """Wait out the share's back-off, if it has one, before its next large body is read."""
+        wait = self._backoff.get(share, 0.0) - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
 
     def shutdown(self) -> None:
         """Waiting jobs are cancelled; running ones end on their threads, unawaited."""

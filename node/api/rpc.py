@@ -48,6 +48,10 @@ CODES: dict[type[NodeError], int] = {
 }
 """Server errors in JSON-RPC's reserved range -32000 to -32099, one per kind of refusal."""
 MAX_BATCH = 100
+MAX_BODY_BYTES = 256 * 1024
+"""A call names a method and a completion id or a nonce: a full batch of MAX_BATCH such calls is about ten
+kilobytes. A larger body is refused before it is read (413): this route answers strangers, and parsing megabytes
+of JSON holds the interpreter lock that every other route's answer needs, on whichever thread it runs."""
 
 Method = Callable[[web.Request, dict[str, Any]], Awaitable[Any]]
 
@@ -146,7 +150,7 @@ async def rpc(request: web.Request) -> web.Response:
     except NodeError as exc:
         refused = exc
     try:
-        body = await read_body(request, lambda parsed: parsed)
+        body = await read_body(request, lambda parsed: parsed, MAX_BODY_BYTES)
     except InvalidRequest as exc:
         return web.json_response({"jsonrpc": "2.0", "error": RpcError(PARSE_ERROR, exc.message).error(), "id": None})
     if isinstance(body, list):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from node.api.body import ORJSON_MAX_BYTES, parse_json
+from node.api.body import MAX_JSON_OBJECTS, ORJSON_MAX_BYTES, parse_json
 from node.errors import InvalidRequest
 
 PAD = b" " * ORJSON_MAX_BYTES  # whitespace: the same document, parsed by the large-body path
@@ -36,3 +36,16 @@ def test_numbers_and_nesting_past_the_parsers_limits_are_refused_the_same_small_
             parse_json(body)
         assert caught.value.code == "invalid_json"
     assert caught.value.message == f"the request body is not valid JSON: {message}"
+
+
+def test_a_large_body_holding_more_objects_than_any_request_needs_is_refused_part_way() -> None:
+    """289,255 empty messages took seconds to parse; the parse now stops at the object past the bound."""
+    one = b'{"role":"user","content":""}'
+    bounded = b'{"messages":[' + b",".join([one] * (MAX_JSON_OBJECTS - 1)) + b"]}"
+    assert len(parse_json(bounded.ljust(ORJSON_MAX_BYTES + 1))["messages"]) == MAX_JSON_OBJECTS - 1  # type: ignore[index]
+    over = b'{"messages":[' + b",".join([one] * MAX_JSON_OBJECTS) + b"]}"
+    with pytest.raises(InvalidRequest) as caught:
+        parse_json(over.ljust(ORJSON_MAX_BYTES + 1))
+    assert (caught.value.code, caught.value.message) == (
+        "too_many_objects", f"the request body holds more than {MAX_JSON_OBJECTS} JSON objects")
+    assert isinstance(parse_json(over), dict)  # a small body is parsed whole: it cannot hold many

@@ -88,3 +88,32 @@ def test_a_cancelled_waiting_job_never_runs_and_a_failing_job_raises_to_its_call
         prepare.shutdown()
 
     asyncio.run(run())
+
+
+async def test_a_share_whose_large_body_was_refused_waits_four_times_its_cost_and_no_other_share_waits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from node.api import prepare
+
+    clock = [100.0]
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(prepare.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(prepare.asyncio, "sleep", sleep)
+    fair = FairPreparation(1)
+    try:
+        fair.refused("flood", 0.05)
+        fair.refused("flood", 0.05)  # a second refusal waits behind the first
+        await fair.backoff("alice")
+        assert slept == []
+        await fair.backoff("flood")
+        assert slept == [pytest.approx(2 * prepare.REFUSAL_BACKOFF * 0.05)]
+        await fair.backoff("flood")  # waited out: the next large body is read at once
+        assert len(slept) == 1
+        fair.refused(ANONYMOUS, 0.01)
+        assert "flood" not in fair._backoff  # a share whose wait is over is forgotten
+    finally:
+        fair.shutdown()

@@ -14,6 +14,7 @@ from multidict import CIMultiDict
 
 from node.api import body as body_module
 from node.api.body import INLINE_JSON_BYTES
+from node.api.rpc import MAX_BATCH, MAX_BODY_BYTES
 from node.config import add_key
 from node.engine.loader import LoadedModel
 from tests.node.test_router_callers import bearer, serve, small_loaded  # noqa: F401 - a fixture
@@ -109,3 +110,18 @@ async def test_a_large_body_is_parsed_off_the_event_loop(aiohttp_client: Any, tm
     assert len(parsed_on) == 1 and parsed_on[0] is not threading.current_thread()
     _, answer = await rpc(client, b"{not json".ljust(INLINE_JSON_BYTES + 1))
     assert codes(answer) == [(None, -32700)]
+
+
+async def test_a_body_larger_than_a_full_batch_is_refused_before_it_is_read(aiohttp_client: Any, tmp_path: Path,
+                                                                             small_loaded: LoadedModel,  # noqa: F811
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    client = await serve(aiohttp_client, tmp_path, small_loaded)
+    parsed: list[bytes] = []
+    parse = body_module.parse_json
+    monkeypatch.setattr(body_module, "parse_json", lambda raw: parsed.append(raw) or parse(raw))
+    full = [{**GENERATION, "id": f"call-{i}"} for i in range(MAX_BATCH)]
+    assert len(json.dumps(full)) < MAX_BODY_BYTES
+    status, answer = await rpc(client, full)
+    assert status == 200 and len(answer) == MAX_BATCH and len(parsed) == 1
+    status, answer = await rpc(client, b"[" + b"0," * (MAX_BODY_BYTES // 2) + b"0]")
+    assert (status, answer["error"]["code"]) == (413, "request_too_large") and len(parsed) == 1
