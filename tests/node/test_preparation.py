@@ -39,10 +39,22 @@ def test_a_body_of_empty_messages_is_refused_for_its_count(node_factory, small_m
         async with aiohttp.ClientSession() as session:
             return await post(session, node, key, body)
 
+    fewer = encode({"model": small_model_dir.name, "messages": [{"role": "user", "content": ""}] * 3000})
+
+    async def run_fewer() -> tuple[int, dict[str, Any]]:
+        async with aiohttp.ClientSession() as session:
+            return await post(session, node, key, fewer)
+
+    # Past 32,768 objects the parse itself stops (node/api/body.py MAX_JSON_OBJECTS).
     status, answer = asyncio.run(run())
     assert status == 400, answer
+    assert answer["error"] == {"message": "the request body holds more than 32768 JSON objects",
+                               "type": "invalid_request_error", "param": None, "code": "too_many_objects"}
+    # Fewer, parsed whole: refused by their count before anything is rendered.
+    status, answer = asyncio.run(run_fewer())
+    assert status == 400, answer
     assert answer["error"] == {
-        "message": "the conversation is at least 578508 tokens (289255 messages, each after the first at least 2 "
+        "message": "the conversation is at least 5998 tokens (3000 messages, each after the first at least 2 "
                    "tokens of this model's chat template, and 0 bytes of content, no token more than 23 bytes); "
                    "this model's context length is 4096 tokens",
         "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
