@@ -319,7 +319,7 @@ class PrefixCache:
     def drop_caller(self, caller: str) -> list[Scope]:
         """Drop every scope of `caller` and of the callers it acts for as a router (its key was removed); returns
         them."""
-        scopes = [scope for scope in self._trees.keys() | self._digesters.keys() if belongs_to(scope, caller)]
+        scopes = [scope for scope in dict.fromkeys([*self._trees, *self._digesters]) if belongs_to(scope, caller)]
         for scope in scopes:
             self.drop_scope(scope)
         return scopes

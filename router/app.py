@@ -24,7 +24,7 @@ from aiohttp import web
 
 from policies.requirements import RequirementHeaderError, merge, requirements_from_headers
 from router.callers import CallerKeys, RouterCaller
-from router.edge import coding_refusal
+from router.edge import coding_refusal, read_within
 from router.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -135,8 +135,7 @@ async def _complete(request: web.Request, path: str, chat: bool) -> web.StreamRe
     requirements = merge(caller.requirements, requested)
     limit = request.app[CONFIG].settings.body_timeout_s
     try:
-        async with asyncio.timeout(limit):
-            body = await request.read()
+        body = await read_within(request, limit)
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {limit:g} s") from None
     if len(body) > OFF_LOOP_BYTES:

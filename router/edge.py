@@ -158,6 +158,13 @@ async def _serve(app: web.Application, host: str, port: int, head_timeout_s: flo
         await runner.cleanup()
 
 
+async def read_within(request: web.Request, seconds: float) -> bytes:
+    """The request's body, or TimeoutError when it has not all arrived within `seconds`: a client trickling its
+    body would otherwise hold its connection and its buffer for as long as it liked."""
+    async with asyncio.timeout(seconds):
+        return await request.read()
+
+
 def serve(app: web.Application, host: str, port: int, head_timeout_s: float, started: Callable[[], None]) -> None:
     """Serve `app` on host:port until SIGINT or SIGTERM, calling `started` once it listens; `web.run_app`'s life
     cycle (which cannot be given a runner): on a signal the runner's cleanup runs first (requests in flight end,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -15,6 +14,7 @@ from aiohttp import web
 from node.api.keys import CALLER, CONFIG, PREPARE
 from node.api.prepare import ANONYMOUS
 from node.errors import BodyTooLarge, InvalidRequest, RequestTimeout
+from router.edge import read_within
 
 T = TypeVar("T")
 
@@ -95,8 +95,7 @@ async def _read_raw(request: web.Request, max_bytes: int | None) -> bytes:
         raise BodyTooLarge(f"the request body is larger than the limit of {max_bytes} bytes of this route")
     limit = request.app[CONFIG].limits.body_timeout_s
     try:
-        async with asyncio.timeout(limit):
-            raw = await request.read()
+        raw = await read_within(request, limit)
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {limit} s") from None
     if max_bytes is not None and len(raw) > max_bytes:  # sent in chunks, with no length said up front
