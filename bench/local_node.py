@@ -19,6 +19,8 @@ TENZRO = (sys.executable, "-m", "node")
 """The `tenzro` command of this interpreter's installation."""
 STARTUP_TIMEOUT_S = 600.0
 """The first start of `--model default` builds the model."""
+SERVING = b"tenzro node: serving model"
+"""What `tenzro node serve` prints once it listens on its port."""
 
 
 def tenzro(*args: str) -> str:
@@ -98,7 +100,9 @@ class LocalNode:
                 raise BenchError(f"the local node exited ({self.process.returncode})")
             try:
                 async with session.get(self.root + "/health") as response:
-                    if response.status == 200:
+                    # Ours only once it says it serves: until then the port may answer for another process that
+                    # took it between `free_port` and our bind (tests run nodes side by side).
+                    if response.status == 200 and SERVING in self.log.read_bytes():
                         return
             except aiohttp.ClientError:
                 pass
