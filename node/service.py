@@ -83,8 +83,8 @@ class ModelService:
                                   f"{self.loaded.context_length} tokens", param=param, code="context_length_exceeded")
 
     def chat_prompt(self, messages: tuple[Message, ...], forms: bool = False) -> Prompt:
-        """The rendered chat, and its prefix forms when `forms` (a router's caller)."""
-        self.check_text_fits(sum(len(m.content.encode("utf-8", "surrogatepass")) for m in messages), "messages")
+        """The rendered chat, and its prefix forms when `forms` (a router's caller). Its size was bounded when it was
+        parsed (`openai_schema.parse_chat`'s `ChatBounds`, stricter than `check_text_fits`): not counted again."""
         plain = [{"role": m.role, "content": m.content} for m in messages]
         try:
             rendered = render_chat(self.loaded.tokenizer, plain, fits=self.loaded.context_length - 1)
