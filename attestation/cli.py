@@ -1,4 +1,7 @@
-"""`tenzro attest verify EVIDENCE --trust-root DIR`: check an evidence document offline.
+"""`tenzro attest verify EVIDENCE [--trust-root DIR]`: check an evidence document offline.
+
+`none` evidence has no hardware report and so no chain to a root: with `--allow-none` it needs no
+`--trust-root`; SEV-SNP and TDX evidence without one fail naming the root file they need.
 
 Prints one line per check that passed and exits 0; on the first failure prints the reason code and
 what was found to stderr and exits 1 (2 for a usage error). `node/cli.py` mounts the parser under
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from attestation.binding import NONCE_BYTES
+from attestation.chain import TrustRoots
 from attestation.checks import MEASUREMENT_BYTES, Check
 from attestation.errors import VerificationError
 from attestation.verify import verify_evidence
@@ -22,13 +26,18 @@ from attestation.verify import verify_evidence
 EXIT_VERIFIED = 0
 EXIT_REFUSED = 1
 
+NO_TRUST_ROOTS = TrustRoots(Path("<no --trust-root given>"), (), (), ())
+"""The roots when none were given: enough for `none` evidence, which chains to nothing; hardware evidence
+then fails with `missing-trust-root`, naming the file it needed."""
+
 
 def add_verify_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Add `verify` to a CLI's subcommands; the parser sets `func` to `run_verify`."""
     verify = subparsers.add_parser("verify", help="verify an attestation evidence document offline")
     verify.add_argument("evidence", metavar="EVIDENCE", type=Path, help="evidence document (JSON file)")
-    verify.add_argument("--trust-root", required=True, metavar="DIR", type=Path,
-                        help="directory of trust roots: ark.pem, ask.pem (optional), intel_root.pem")
+    verify.add_argument("--trust-root", metavar="DIR", type=Path,
+                        help="directory of trust roots: ark.pem, ask.pem (optional), intel_root.pem; needed for "
+                             "SEV-SNP and TDX evidence, not for none evidence with --allow-none")
     verify.add_argument("--expect-measurement", metavar="HEX", type=_hex_bytes(MEASUREMENT_BYTES),
                         help="required launch measurement (SNP MEASUREMENT or TDX MRTD), 96 hex characters")
     verify.add_argument("--nonce", metavar="HEX", type=_hex_bytes(NONCE_BYTES),
@@ -45,7 +54,7 @@ def run_verify(args: argparse.Namespace) -> int:
         document = _read_document(args.evidence)
         result = verify_evidence(
             document,
-            args.trust_root,
+            args.trust_root or NO_TRUST_ROOTS,
             expected_nonce=args.nonce,
             expected_measurement=args.expect_measurement,
             allow_none=args.allow_none,

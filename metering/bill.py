@@ -1,8 +1,9 @@
 """A caller's bill over a time window: token and cost totals read from ledger segments.
 
-Billing reads what the ledger says; it does not re-check signatures or the chain, so for an
-audited bill run `verify_segment` on each segment first (the CLI's `metering verify`). Totals are
-exact integers: the cost is the sum of the records' own signed `cost_wei`.
+Billing reads what the ledger says and re-checks nothing: a bill proves only what a verification of the
+same segments proves, so the CLI's `metering bill` runs `metering verify`'s checks (`verify_ledger` under the
+auditor's keys or evidence) first and bills nothing when they fail. Totals are exact integers: the cost is
+the sum of the records' own signed `cost_wei`.
 """
 
 from __future__ import annotations

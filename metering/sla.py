@@ -1,10 +1,10 @@
 """A caller's service levels over a time window: how many requests got their first token within a promised
 time, and percentiles of time to first token and of total time, read from ledger segments.
 
-Like a bill, this reads what the ledger says without re-checking it: verify the segments first
-(`verify_ledger`, which the CLI's `metering sla` runs) for numbers that prove anything. Every number is an
-exact integer taken from the records' signed `ttft_ms` and `total_ms`, as `metering.record.Latency` defines
-them.
+Like a bill, this reads what the ledger says without re-checking it: the CLI's `metering sla` first runs
+`metering verify`'s checks, with the same trust options, and reports nothing for a ledger they refuse. Every
+number is an exact integer taken from the records' signed `ttft_ms` and `total_ms`, as
+`metering.record.Latency` defines them.
 """
 
 from __future__ import annotations

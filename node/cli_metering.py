@@ -6,8 +6,10 @@ module imports only the standard library, `metering` and `attestation` (and `nod
 `metering verify` checks each segment's signatures and chain, and then whom the key belongs to: either keys
 the auditor trusts (`--node-key`), or the attestation evidence each segment names (`--evidence`, by default
 the `<boot_id>.evidence.json` files the node writes beside its segments): the evidence must verify (against
-`--trust-root`; `none` evidence only with `--allow-none`, and then it is reported untrusted), be the boot's
-own (its nonce derived from the boot id), and bind the very key that signs the segment.
+`--trust-root`; `none` evidence only with `--allow-none`, and then it is reported unattested), be the boot's
+own (its nonce derived from the boot id), and bind the very key that signs the segment. `metering bill` and
+`metering sla` take the same options and run the same verification first: a number read from a ledger proves
+only what its verification proves, so a ledger `verify` refuses gets neither a bill nor an SLA report.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import argparse
 import json
 import os
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from attestation.chain import TrustRoots, load_trust_roots
+from attestation.cli import NO_TRUST_ROOTS
 from attestation.errors import MalformedEvidence, VerificationError
 from attestation.evidence import evidence_digest
 from attestation.verify import verify_evidence
@@ -70,48 +73,49 @@ def add_metering_commands(subparsers: argparse._SubParsersAction) -> None:  # ty
     metering_commands = metering.add_subparsers(dest="metering_command", required=True)
 
     verify = metering_commands.add_parser("verify", help="verify a ledger offline, and whose key signed it")
-    verify.add_argument("ledger", metavar="LEDGER", help="segment file (ledger-<boot_id>.jsonl) or ledger directory")
-    verify.add_argument("--node-key", action="append", default=[], metavar="HEX",
-                        help="trusted node public key, 64 hex; repeat for each node start")
-    verify.add_argument("--tree-head", metavar="FILE", help="signed tree head JSON a single segment must match")
-    verify.add_argument("--evidence", action="append", default=[], metavar="FILE|DIR",
-                        help="attestation evidence documents (default with --trust-root or --allow-none: the "
-                             "*.evidence.json beside the segments); each segment's key must be the one its "
-                             "evidence binds")
-    verify.add_argument("--trust-root", metavar="DIR", help="trust roots for the evidence: ark.pem, ask.pem, "
-                        "intel_root.pem (see `tenzro attest verify`)")
-    verify.add_argument("--allow-none", action="store_true",
-                        help="accept evidence of type none (a node without a TEE), reported as untrusted")
+    _add_ledger_arguments(verify)
     verify.set_defaults(func=run_verify)
 
-    bill_parser = metering_commands.add_parser("bill", help="total a caller's usage and cost")
-    bill_parser.add_argument("ledger", metavar="LEDGER", help="segment file or ledger directory")
+    bill_parser = metering_commands.add_parser(
+        "bill", help="verify a ledger as `metering verify` does, then total a caller's usage and cost"
+    )
+    _add_ledger_arguments(bill_parser)
     bill_parser.add_argument("--caller", required=True, metavar="ID", help="caller id to bill")
     _add_window_arguments(bill_parser)
     bill_parser.set_defaults(func=run_bill)
 
     sla_parser = metering_commands.add_parser(
-        "sla", help="verify a ledger, then check a caller's time to first token against a promise"
+        "sla", help="verify a ledger as `metering verify` does, then check a caller's time to first token "
+        "against a promise"
     )
-    sla_parser.add_argument("ledger", metavar="LEDGER", help="segment file or ledger directory")
+    _add_ledger_arguments(sla_parser)
     sla_parser.add_argument("--caller", required=True, metavar="ID", help="caller id to report on")
     sla_parser.add_argument(
         "--ttft-ms", required=True, type=int, metavar="N", help="promised time to first token, ms from enqueue"
     )
     sla_parser.add_argument("--model", metavar="M", help="only this model's records")
     _add_window_arguments(sla_parser)
-    sla_parser.add_argument(
-        "--node-key",
-        action="append",
-        default=[],
-        metavar="HEX",
-        help="trusted node public key, 64 hex; repeat for each node start (default: each segment's own key, "
-        "which the attestation evidence it names must bind)",
-    )
     sla_parser.set_defaults(func=run_sla)
 
     provider = subparsers.add_parser("provider", help="provider settings")
     add_pricing_commands(provider.add_subparsers(dest="provider_command", required=True))
+
+
+def _add_ledger_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ledger and the options saying whose key to trust: one definition for every command that reads a
+    ledger, so that `bill` and `sla` accept exactly the ledgers `verify` accepts (see `run_verify`)."""
+    parser.add_argument("ledger", metavar="LEDGER", help="segment file (ledger-<boot_id>.jsonl) or ledger directory")
+    parser.add_argument("--node-key", action="append", default=[], metavar="HEX",
+                        help="trusted node public key, 64 hex; repeat for each node start")
+    parser.add_argument("--tree-head", metavar="FILE", help="signed tree head JSON a single segment must match")
+    parser.add_argument("--evidence", action="append", default=[], metavar="FILE|DIR",
+                        help="attestation evidence documents (default with --trust-root or --allow-none: the "
+                             "*.evidence.json beside the segments); each segment's key must be the one its "
+                             "evidence binds")
+    parser.add_argument("--trust-root", metavar="DIR", help="trust roots for the evidence: ark.pem, ask.pem, "
+                        "intel_root.pem (see `tenzro attest verify`)")
+    parser.add_argument("--allow-none", action="store_true",
+                        help="accept evidence of type none (a node without a TEE), reported as unattested")
 
 
 def _add_window_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,8 +131,15 @@ def _window_ms(args: argparse.Namespace) -> tuple[int | None, int | None]:
     )
 
 
-def _window_text(since_ms: int | None, until_ms: int | None) -> str:
-    return f"from {'start' if since_ms is None else since_ms} ms to {'now' if until_ms is None else until_ms} ms"
+def window_text(since_ms: int | None, until_ms: int | None) -> str:
+    """The window a report covers, in UTC times a reader can check against the --since and --until given."""
+    since = None if since_ms is None else format_time_ms(since_ms)
+    until = None if until_ms is None else format_time_ms(until_ms)
+    if since is None:
+        return "all records" if until is None else f"records before {until}"
+    if until is None:
+        return f"records from {since} on"
+    return f"records from {since} (inclusive) to {until} (exclusive)"
 
 
 def add_pricing_commands(provider_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -154,6 +165,11 @@ def add_pricing_commands(provider_subparsers: argparse._SubParsersAction) -> Non
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    """Verify every segment under the options of `_add_ledger_arguments`, a line per segment and per evidence.
+
+    Returns the exit code: 0 when every segment verifies, 1 when one does not, 2 when no trust was named.
+    `run_bill` and `run_sla` call it first.
+    """
     attested = bool(args.evidence or args.trust_root or args.allow_none)
     if not args.node_key and not attested:
         print("cannot verify: say whose key to trust: --node-key HEX, or the attestation evidence each segment "
@@ -190,9 +206,6 @@ def run_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-NO_TRUST_ROOTS = TrustRoots(Path("<no --trust-root given>"), (), (), ())
-
-
 def _evidence_documents(paths: list[Path]) -> dict[str, dict[str, object]]:
     """Evidence documents by digest, from files and from directories' *.evidence.json."""
     files = [file for path in map(Path, paths)
@@ -219,12 +232,14 @@ def attest_segment(report: VerifyReport, documents: dict[str, dict[str, object]]
     try:
         result = verify_evidence(document, roots, expected_nonce=boot_nonce(header.boot_id), allow_none=allow_none)
     except VerificationError as exc:
-        return f"FAILED {report.path}: its evidence does not verify: {exc.reason}: {exc}", False
+        return f"FAILED {report.path}: its evidence does not verify: {exc.reason}: {exc.message}", False
     if result.public_key_hex != header.public_key:
         return (f"FAILED {report.path}: signed by key {header.public_key}, but its evidence binds key "
                 f"{result.public_key_hex}"), False
-    trust = "trusted" if result.trusted else "UNTRUSTED (no TEE)"
-    return f"ATTESTED {report.path}: key bound by {result.evidence_type} evidence {result.digest}, {trust}", True
+    if not result.trusted:  # none evidence: a claim by the node itself, accepted only because it was allowed
+        return (f"UNATTESTED {report.path}: key named by {result.evidence_type} evidence {result.digest}, "
+                "which no TEE vouches for (accepted with --allow-none)"), True
+    return f"ATTESTED {report.path}: key bound by {result.evidence_type} evidence {result.digest}", True
 
 
 def format_verify_report(report: VerifyReport) -> str:
@@ -256,9 +271,25 @@ def parse_time_ms(text: str) -> int:
     return int(moment.timestamp() * 1000)
 
 
+UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def format_time_ms(unix_ms: int) -> str:
+    """ISO 8601 in UTC, to the millisecond when it has one: the form `parse_time_ms` reads back exactly."""
+    moment = UNIX_EPOCH + timedelta(milliseconds=unix_ms)
+    return moment.isoformat(timespec="milliseconds" if unix_ms % 1000 else "seconds").replace("+00:00", "Z")
+
+
 def run_bill(args: argparse.Namespace) -> int:
+    """Verify every segment first: a bill read from a ledger that does not verify proves nothing."""
     try:
         since_ms, until_ms = _window_ms(args)
+    except ValueError as exc:
+        print(f"cannot bill: {exc}")
+        return 1
+    if (verified := _verify_first(args, "bill")) != 0:
+        return verified
+    try:
         result = bill(args.ledger, args.caller, since_ms, until_ms)
     except (OSError, SegmentFormatError, ValueError) as exc:
         print(f"cannot bill: {exc}")
@@ -285,7 +316,7 @@ def _bill_row(model: str, status: str, totals: UsageTotals) -> tuple[str, ...]:
 
 def format_bill(result: Bill) -> str:
     """A fixed-width table: one row per (model, status), then the totals row."""
-    window = _window_text(result.since_ms, result.until_ms)
+    window = window_text(result.since_ms, result.until_ms)
     rows: list[tuple[str, ...]] = [_BILL_COLUMNS]
     rows += [_bill_row(line.model, line.status, line.totals) for line in result.lines]
     rows.append(_bill_row("TOTAL", "", result.total))
@@ -304,18 +335,26 @@ def _table(rows: list[tuple[str, ...]], text_columns: int) -> list[str]:
     ]
 
 
+def _verify_first(args: argparse.Namespace, product: str) -> int:
+    """`run_verify`'s exit code, with a last line saying that `product` was withheld when it is not 0."""
+    verified = run_verify(args)
+    if verified != 0:
+        print(f"no {product}: the ledger was not verified")
+    return verified
+
+
 def run_sla(args: argparse.Namespace) -> int:
     """Verify every segment first: numbers read from a ledger that does not verify prove nothing."""
     try:
         since_ms, until_ms = _window_ms(args)
-        reports = verify_ledger(args.ledger, args.node_key)
-        for report in reports:
-            print(format_verify_report(report))
-        if not all(report.ok for report in reports):
-            print("no SLA report: the ledger does not verify")
-            return 1
+    except ValueError as exc:
+        print(f"cannot report: {exc}")
+        return 1
+    if (verified := _verify_first(args, "SLA report")) != 0:
+        return verified
+    try:
         result = sla(args.ledger, args.caller, args.ttft_ms, since_ms, until_ms, args.model)
-    except (OSError, SegmentFormatError, SignatureInvalid, ValueError) as exc:
+    except (OSError, SegmentFormatError, ValueError) as exc:
         print(f"cannot report: {exc}")
         return 1
     print(format_sla(result))
@@ -330,7 +369,7 @@ def _percentile_row(name: str, percentiles: Percentiles | None) -> tuple[str, ..
 
 def format_sla(result: SlaReport) -> str:
     """The window, the share of requests whose first token came in time, and a table of percentiles."""
-    window = _window_text(result.since_ms, result.until_ms)
+    window = window_text(result.since_ms, result.until_ms)
     model = "every model" if result.model is None else f"model {result.model}"
     share = f"{result.met}/{result.requests}"
     basis_points = result.met_basis_points

@@ -44,6 +44,24 @@ def test_allowed_none_evidence_prints_every_check(tmp_path: Path, capsys: pytest
     ]
 
 
+def test_allowed_none_evidence_needs_no_trust_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", str(write(tmp_path, NONE)), "--allow-none"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"verified: none evidence, UNTRUSTED, key {NODE_KEY.hex()}, boot {BOOT_ID}, digest {NONE.digest()}"
+    )
+
+
+def test_hardware_evidence_without_a_trust_root_names_the_root_it_needs(
+    snp_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", str(snp_file), "--nonce", NONCE.hex()]) == 1
+    output = capsys.readouterr()
+    assert output.err == (
+        "FAILED missing-trust-root: sev-snp evidence needs <no --trust-root given>/ark.pem, which is absent\n"
+    )
+    assert output.out.splitlines()[0].startswith("ok report: ")
+
+
 def test_none_evidence_without_allow_none_exits_1_with_the_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -113,7 +113,7 @@ def test_a_node_without_a_tee_attests_none_and_refuses_what_its_callers_require(
     ledger = node.config.parent / "home" / "ledger"
     verified = tenzro("metering", "verify", str(ledger), "--allow-none", env=node.env)
     assert verified.returncode == 0, verified.stdout
-    assert "ATTESTED" in verified.stdout and "UNTRUSTED (no TEE)" in verified.stdout
+    assert "UNATTESTED" in verified.stdout and "which no TEE vouches for" in verified.stdout
     refused_none = tenzro("metering", "verify", str(ledger), "--trust-root", str(ledger), env=node.env)
     assert refused_none.returncode == 1 and "none-evidence" in refused_none.stdout
 

@@ -134,14 +134,15 @@ def test_three_turn_conversation_is_metered_at_the_prices_set_through_the_cli(
                           "--tree-head", str(tmp_path / "head.json"), env=env)
     assert against_head.returncode == 0, against_head.stdout
     assert f"tree head of 3 records; Merkle root {head['root_hash_hex']}" in against_head.stdout
-    bill = tenzro("metering", "bill", str(ledger), "--caller", "alice", env=env)
+    bill = tenzro("metering", "bill", str(ledger), "--caller", "alice", "--node-key", identity["public_key"], env=env)
     assert bill.returncode == 0, bill.stdout
     total = bill.stdout.splitlines()[-1].split()
     assert total[0] == "TOTAL" and total[-1] == str(sum(int(r["cost_wei"]) for r in records))
 
     ttfts, totals = sorted(r["ttft_ms"] for r in records), sorted(r["total_ms"] for r in records)
     for promise, share in ((ttfts[-1], "3/3 = 100.00%"), (ttfts[0] - 1, "0/3 = 0.00%")):
-        sla = tenzro("metering", "sla", str(ledger), "--caller", "alice", "--ttft-ms", str(promise), env=env)
+        sla = tenzro("metering", "sla", str(ledger), "--caller", "alice", "--ttft-ms", str(promise),
+                     "--node-key", identity["public_key"], env=env)
         assert sla.returncode == 0, sla.stdout
         lines = sla.stdout.splitlines()
         assert lines[0].startswith(f"OK {segment}: 3 records verified under key {identity['key_id']} "
