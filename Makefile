@@ -12,8 +12,8 @@ PORT ?= 8080
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py node/engine/kernels/cpu_kernels.cpp
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	# pip is upgraded once, as the environment is created; a reinstall (a changed stamp) leaves it as it is.
+	test -x $(PY) || python3 -m venv --upgrade-deps $(VENV)
 	# The CPU wheel first: a bare torch requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	# Builds the native CPU kernels too (setup.py); without a compiler the install still succeeds.

@@ -1,4 +1,13 @@
-"""OpenAI request bodies parsed into typed records; every invalid field gets a 400 naming it."""
+"""OpenAI request bodies parsed into typed records; every invalid field gets a 400 naming it.
+
+Each field a body may hold is of one of three kinds. Honoured: read into the records below. Unsupported
+(`UNSUPPORTED`): OpenAI's field for a feature this node does not implement, refused unless its value asks for
+nothing (`store: false`, `modalities: ["text"]`, `tools: []`). Ignored (`IGNORED`: `user`, `safety_identifier`,
+`prompt_cache_key`): accepted because neither the reply nor what the node keeps depends on them. Any other field
+is unknown and refused, every unknown name in one message, as OpenAI refuses it: a misspelt `max_token` or a
+field newer than this node would otherwise be served as if it were absent. Chat messages are held to the same
+rule (`MESSAGE_FIELDS`), and so is `stream_options`.
+"""
 
 from __future__ import annotations
 
@@ -14,20 +23,78 @@ MAX_LOGIT_BIAS = 300
 SEED_RANGE = (-(2**63), 2**63 - 1)
 """A signed 64-bit integer, as OpenAI's API documents it."""
 
-UNSUPPORTED = {
-    "tools": "tool calling is not supported by this node yet",
-    "tool_choice": "tool calling is not supported by this node yet",
-    "parallel_tool_calls": "tool calling is not supported by this node yet",
-    "functions": "function calling is not supported by this node",
-    "function_call": "function calling is not supported by this node",
-    "top_logprobs": "log probabilities are not supported by this node",
-    "prediction": "predicted outputs are not supported by this node",
-    "audio": "audio output is not supported by this node",
-    "echo": "'echo' is not supported by this node",
-    "suffix": "'suffix' is not supported by this node",
+TOOLS = "tool calling is not supported by this node yet"
+
+
+@dataclass(frozen=True, slots=True)
+class Unsupported:
+    """A field OpenAI defines for a feature this node does not implement."""
+
+    why: str
+    no_ops: tuple[object, ...] = (None,)
+    """The values that ask for nothing the node lacks, accepted (compared with their JSON type: `0` is not
+    `false`); any other value is refused, never served without the feature."""
+
+
+UNSUPPORTED: dict[str, Unsupported] = {
+    "tools": Unsupported(TOOLS, (None, [])),
+    "tool_choice": Unsupported(TOOLS, (None, "none")),
+    "parallel_tool_calls": Unsupported(TOOLS, (None, False, True)),  # means nothing without tools
+    "functions": Unsupported("function calling is not supported by this node", (None, [])),
+    "function_call": Unsupported("function calling is not supported by this node", (None, "none")),
+    "top_logprobs": Unsupported("log probabilities are not supported by this node", (None, 0)),
+    "prediction": Unsupported("predicted outputs are not supported by this node"),
+    "audio": Unsupported("audio output is not supported by this node"),
+    "modalities": Unsupported("this node answers in text only: 'modalities' may only be [\"text\"]",
+                              (None, ["text"])),
+    "web_search_options": Unsupported("web search is not supported by this node"),
+    "store": Unsupported("this node stores no completions: 'store' may only be false", (None, False)),
+    "metadata": Unsupported("metadata tags stored completions, and this node stores none", (None, {})),
+    "reasoning_effort": Unsupported("reasoning effort is not supported by this node's models"),
+    "verbosity": Unsupported("'verbosity' is not supported by this node's models"),
+    "service_tier": Unsupported("this node has one service tier: 'service_tier' may only be \"auto\" or "
+                                "\"default\"", (None, "auto", "default")),
+    "moderation": Unsupported("moderation is not supported by this node"),
+    "prompt_cache_options": Unsupported("prompt cache options are not supported by this node: it reuses every "
+                                        "caller's prefixes without them (see 'prompt_cache_retention')", (None, {})),
+    "echo": Unsupported("'echo' is not supported by this node", (None, False)),
+    "suffix": Unsupported("'suffix' is not supported by this node", (None, "")),
+    "tool_calls": Unsupported(TOOLS, (None, [])),
+    "tool_call_id": Unsupported(TOOLS),
+    "refusal": Unsupported("an assistant message's 'refusal' is not supported by this node: send the text as "
+                           "its content"),
+    "name": Unsupported("participant names are not supported by this node: its chat template does not show them "
+                        "to the model (write the name into the content)"),
 }
-"""Request fields this node does not implement: a request that sets one is refused, never silently served
-without it. (A field set to null, false or its default is accepted.)"""
+"""Fields of requests (and of chat messages: `tool_calls`, `tool_call_id`, `refusal`, `name`, `audio`) that ask
+for what this node does not do: a request that sets one to anything but a no-op value is refused (400,
+`unsupported_parameter`), never silently served without it."""
+
+IGNORED = {
+    "user": "OpenAI's end-user label for abuse monitoring: the node knows its callers by their keys and keeps "
+            "no per-user records, and the reply does not depend on it",
+    "safety_identifier": "`user`'s successor, ignored for the same reason",
+    "prompt_cache_key": "a hint OpenAI routes by to raise cache hits: this node reuses each caller's stored "
+                        "prefixes whatever the key, and the reply does not depend on it",
+}
+"""Fields accepted (a string or null) and ignored, and why: none changes the reply or what is kept."""
+
+SHARED_FIELDS = frozenset({
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
+    "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "n", "logprobs", "return_token_ids",
+    "prompt_cache_retention", "user"})
+"""The fields both completion routes take (`n` and `logprobs` at their single supported value)."""
+CHAT_FIELDS = SHARED_FIELDS | frozenset(IGNORED) | {"messages", "response_format"} | {
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "top_logprobs", "prediction",
+    "audio", "modalities", "web_search_options", "store", "metadata", "reasoning_effort", "verbosity",
+    "service_tier", "moderation", "prompt_cache_options"}
+COMPLETION_FIELDS = SHARED_FIELDS | {"prompt", "best_of", "echo", "suffix"}
+"""Any other top-level field is refused as unknown (400, `unknown_parameter`), as OpenAI refuses it."""
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio",
+                            "function_call"})
+PLAIN_MESSAGE = frozenset({"role", "content"})
+STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+"""`stream_options` keys; the node pads no stream event, so `include_obfuscation` is taken only as false."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,11 +185,35 @@ def _optional_int(body: dict[str, Any], name: str, low: int) -> int | None:
     return value
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    for name, why in UNSUPPORTED.items():
-        if body.get(name) not in (None, False, [], {}):
-            raise invalid_request(f"{why}; remove '{name}' from the request", param=name,
+def _refuse_unknown(fields: dict[str, Any], known: frozenset[str], where: str = "") -> None:
+    """Every field of `fields` outside `known` named in one 400: a misspelt or newer field is never ignored."""
+    unknown = [f"{where}.{name}" if where else name for name in fields if name not in known]
+    if unknown:
+        plural = len(unknown) > 1
+        raise invalid_request(
+            f"unknown parameter{'s' if plural else ''} {', '.join(map(repr, unknown))}: remove "
+            f"{'them' if plural else 'it'} (this node refuses the fields it does not know rather than ignore them)",
+            param=unknown[0], code="unknown_parameter")
+
+
+def _is_no_op(value: Any, no_ops: tuple[object, ...]) -> bool:
+    return any(type(value) is type(no_op) and value == no_op for no_op in no_ops)
+
+
+def _refuse_unsupported_fields(fields: dict[str, Any], where: str = "") -> None:
+    for name, value in fields.items():
+        unsupported = UNSUPPORTED.get(name)
+        if unsupported is not None and not _is_no_op(value, unsupported.no_ops):
+            param = f"{where}.{name}" if where else name
+            raise invalid_request(f"{unsupported.why}; remove '{param}' from the request", param=param,
                                   code="unsupported_parameter")
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    _refuse_unsupported_fields(body)
+    for name in IGNORED:
+        if not isinstance(body.get(name, ""), str | None):
+            raise invalid_request(f"'{name}' must be a string", param=name)
     n = body.get("n", 1)
     if n is not None and (type(n) is not int or n != 1):
         raise invalid_request("'n' must be 1: this node returns one choice per request", param="n")
@@ -180,9 +271,10 @@ def _retain(body: dict[str, Any]) -> bool:
     return bool(value == "in_memory")
 
 
-def _common(body: Any) -> CommonParams:
+def _common(body: Any, known: frozenset[str]) -> CommonParams:
     if not isinstance(body, dict):
         raise invalid_request("the request body must be a JSON object")
+    _refuse_unknown(body, known)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid_request("'model' is required: the id of a model from GET /v1/models", param="model")
@@ -203,9 +295,17 @@ def _common(body: Any) -> CommonParams:
         raise invalid_request("'stream' must be true or false", param="stream")
     options = body.get("stream_options")
     options = {} if options is None else options
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+    if not isinstance(options, dict):
         raise invalid_request("'stream_options' must be an object like {\"include_usage\": true}",
                               param="stream_options")
+    _refuse_unknown(options, STREAM_OPTIONS, "stream_options")
+    if not isinstance(options.get("include_usage", False), bool):
+        raise invalid_request("'stream_options.include_usage' must be true or false",
+                              param="stream_options.include_usage")
+    if not _is_no_op(options.get("include_obfuscation"), (None, False)):
+        raise invalid_request("this node adds no obfuscation to its stream events: "
+                              "'stream_options.include_obfuscation' may only be false",
+                              param="stream_options.include_obfuscation", code="unsupported_parameter")
     return_ids = body.get("return_token_ids", False)
     if not isinstance(return_ids, bool) or (return_ids and stream):
         raise invalid_request("'return_token_ids' must be true or false, and is supported without 'stream' only",
@@ -250,7 +350,7 @@ def _content(value: Any, index: int, role: str) -> str:
 def parse_chat(body: Any, bounds: ChatBounds) -> ChatRequest:
     """The chat, refused before any message is looked at when its count alone cannot fit `bounds` (a body of
     hundreds of thousands of empty messages is answered in the time it takes to parse)."""
-    params = _common(body)
+    params = _common(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid_request("'messages' must be a non-empty list", param="messages")
@@ -265,6 +365,9 @@ def parse_chat(body: Any, bounds: ChatBounds) -> ChatRequest:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise invalid_request(f"messages[{index}].role must be one of {', '.join(ROLES)}",
                                   param=f"messages[{index}].role")
+        if not message.keys() <= PLAIN_MESSAGE:  # checked only where there is more to check (a long chat's cost)
+            _refuse_unknown(message, MESSAGE_FIELDS, f"messages[{index}]")
+            _refuse_unsupported_fields(message, f"messages[{index}]")
         content = _content(message.get("content"), index, message["role"])
         content_bytes += len(content.encode("utf-8", "surrogatepass"))
         parsed.append(Message(message["role"], content))
@@ -273,7 +376,7 @@ def parse_chat(body: Any, bounds: ChatBounds) -> ChatRequest:
 
 
 def parse_completion(body: Any) -> CompletionRequest:
-    params = _common(body)
+    params = _common(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one, as OpenAI clients send it

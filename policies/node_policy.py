@@ -121,7 +121,7 @@ def load_node_policy(name_or_path: str) -> NodePolicy:
 
 
 def with_jurisdiction(policy: NodePolicy, code: str) -> NodePolicy:
-    """The policy with the operator's jurisdiction (`tenzro serve --jurisdiction CC`) in place of the file's."""
+    """The policy with the operator's jurisdiction (`tenzro node serve --jurisdiction CC`) in place of the file's."""
     problem = code_problem(code)
     if problem is not None:
         raise NodePolicyError(f"the jurisdiction {problem}")

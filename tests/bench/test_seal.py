@@ -42,3 +42,16 @@ def test_opening_in_cache_is_judged_apart_from_the_memory_bound_rate() -> None:
     assert [met for _, met in checks] == [False, True]
     assert "a plain copy of the same bytes 1.24x" in checks[0][0] and "(1.90x)" in checks[1][0]
     assert "open in cache" in format_report(ciphers, [])
+
+
+def test_the_report_shows_the_rates_ratio_beside_the_speedup_by_run() -> None:
+    """The table's ratio column agrees with its rates (issue 34: a `speedup` of 2.00 stood beside rates of
+    3.33 and 5.00 GiB/s); the speedup by run, which the goals judge, has its own column."""
+    row = cipher_row("open", 1.0, [0.2, 0.3, 0.6], [0.1, 0.2, 0.3], cores=2)
+    assert row.rate_ratio == row.all_cores_gib_s / row.one_core_gib_s == 1.5
+    assert format_report([row], []).splitlines()[:3] == [
+        "                  1 core GiB/s  all cores GiB/s  cores  rate ratio  speedup by run",
+        "open                      3.33             5.00      2        1.50            2.00",
+        "(rate ratio: all cores' median rate over one core's; speedup by run: the median of each run's one-core "
+        "time over the all-cores time right after it, what the goals judge)",
+    ]

@@ -1,4 +1,5 @@
-"""A chat's bounds are checked as its body is parsed: the count of messages first, before any is looked at."""
+"""Request bodies parsed: a chat's bounds checked before its messages are read, and every field the node does not
+know or does not implement refused by name."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import pytest
 
 from node.errors import InvalidRequest
-from node.openai_schema import ChatBounds, Message, parse_chat
+from node.openai_schema import ChatBounds, Message, parse_chat, parse_completion
 
 BOUNDS = ChatBounds(max_messages=100, context_length=4096, token_bytes=23, message_tokens=2)
 
@@ -47,3 +48,55 @@ def test_content_and_markup_together_are_bounded_by_the_context() -> None:
     error = refusal(chat([*messages[:-1], {"role": "user", "content": "\u00e9" * 23}]), wide)
     assert error.code == "context_length_exceeded" and "46 bytes of content" in str(error)
     assert wide.least_tokens(2048, 46) == 4096
+
+
+def completion_refusal(body: dict[str, Any]) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_completion(body)
+    return caught.value
+
+
+def test_unknown_fields_are_refused_each_named() -> None:
+    """A misspelt or newer field is refused, not served as if absent (issue 34): every unknown name in one
+    message, the first as `param`, as OpenAI answers."""
+    error = refusal({**chat([{"role": "user", "content": "x"}]), "max_token": 5, "made_up": True})
+    assert (error.param, error.code) == ("max_token", "unknown_parameter")
+    assert str(error) == ("unknown parameters 'max_token', 'made_up': remove them (this node refuses the fields "
+                          "it does not know rather than ignore them)")
+    # Each route takes its own fields: a chat's `messages` is unknown to a text completion, `echo` to a chat.
+    assert completion_refusal({"model": "m", "prompt": "x", "messages": []}).param == "messages"
+    assert refusal({**chat([{"role": "user", "content": "x"}]), "echo": False}).code == "unknown_parameter"
+    error = refusal(chat([{"role": "user", "content": "x", "weight": 1}]))
+    assert (error.param, error.code) == ("messages[0].weight", "unknown_parameter")
+    error = refusal({**chat([{"role": "user", "content": "x"}]), "stream_options": {"include_usage": True,
+                                                                                    "every": 2}})
+    assert (error.param, error.code) == ("stream_options.every", "unknown_parameter")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("modalities", ["audio"]), ("modalities", ["text", "audio"]), ("web_search_options", {}), ("store", True),
+    ("metadata", {"team": "a"}), ("reasoning_effort", "low"), ("service_tier", "flex"), ("tool_choice", "auto"),
+    ("top_logprobs", False), ("messages[0].name", "bob"),
+])
+def test_fields_the_node_does_not_implement_are_refused(field: str, value: Any) -> None:
+    body = chat([{"role": "user", "content": "x"}])
+    if field.startswith("messages[0]."):
+        body["messages"][0][field.removeprefix("messages[0].")] = value
+    else:
+        body[field] = value
+    error = refusal(body)
+    assert (error.param, error.code) == (field, "unsupported_parameter")
+    assert str(error).endswith(f"; remove '{field}' from the request")
+
+
+def test_no_op_values_and_ignored_fields_are_accepted() -> None:
+    """Values that ask for nothing the node lacks are served; `user` and its kin are taken as strings and
+    ignored (neither the reply nor what is kept depends on them)."""
+    body = {**chat([{"role": "user", "content": "x"}]), "store": False, "modalities": ["text"], "tools": [],
+            "tool_choice": "none", "parallel_tool_calls": True, "service_tier": "auto", "metadata": {},
+            "user": "u-1", "safety_identifier": "s", "prompt_cache_key": "k",
+            "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    assert parse_chat(body, BOUNDS).messages == (Message("user", "x"),)
+    assert parse_completion({"model": "m", "prompt": "x", "user": "u-1", "echo": False, "suffix": ""}).prompt == "x"
+    error = refusal({**chat([{"role": "user", "content": "x"}]), "user": 7})
+    assert (error.param, str(error)) == ("user", "'user' must be a string")
