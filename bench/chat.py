@@ -73,10 +73,11 @@ class ChatMessages:
             raise BenchError(f"a {role} message of {tokens} tokens leaves no room for content")
         return {"role": role, "content": "".join(self.rng.choice(self.words) for _ in range(tokens - overhead))}
 
-    def edited(self, message: dict[str, str]) -> dict[str, str]:
-        """The same message with its middle word replaced by another."""
+    def edited(self, message: dict[str, str], at: float = 0.5) -> dict[str, str]:
+        """The same message with the word `at` of the way through it (the middle one by default) replaced by
+        another."""
         words = message["content"].split(" ")[1:]
-        middle = len(words) // 2
+        middle = min(len(words) - 1, int(len(words) * at))
         other = words[middle]
         while other == words[middle]:
             other = self.rng.choice(self.words)[1:]

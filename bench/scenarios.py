@@ -1,7 +1,11 @@
-"""`tenzro bench scenarios`: issue 4's three token-exact reuse scenarios, as token ids and as chat messages.
+"""`tenzro bench scenarios`: token-exact reuse scenarios, as token ids and as chat messages.
 
-(a) a cached history extended by 40 tokens; (b) the same history with one token (chat: one message) changed
-200 tokens before the end; (c) a 1,200-token system prompt shared by three requests with different tails.
+Issue 4's three: (a) a cached history extended by 40 tokens; (b) the same history with one token (chat: one
+message) changed 200 tokens before the end; (c) a 1,200-token system prompt shared by three requests with
+different tails. Issue 34's two, where hybrids lost what dense models keep: (d) a retry, the identical prompt
+sent again, whose last message is a 2,000-token document (it must recompute only its last token); (e) one token
+(chat: one word) changed 95% of the way into a 1,000-token system prompt (it must keep at least 80% of the
+tokens before the edit).
 For each measured request: the tokens the node recomputed (usage: prompt_tokens - cached_tokens), the
 ideal, the least any node could recompute (everything after the point of divergence), and TTFT reused
 against cold. Every scenario of every run has fresh random content and, on a local node, its own caller,
@@ -30,6 +34,7 @@ from bench.local_node import LocalNode, model_dir
 from bench.prompts import SEED, PromptSource
 from bench.report import Target, columns, failed, progress, write_report
 from cache.radix_tree import common_prefix_length
+from cache.snapshot_policy import SnapshotPolicy
 
 HISTORY = 1460
 """(a): the cached prompt; the extended one is HISTORY + EXTENSION, the history of (b)."""
@@ -37,6 +42,13 @@ EXTENSION = 40
 EDIT_FROM_END = 200
 SYSTEM = 1200
 TAIL = 200
+DOCUMENT = 2000
+"""(d): the last message of the retried prompt."""
+LATE_SYSTEM = 1000
+LATE_EDIT = 0.95
+"""(e): the system prompt, and how far into it the edit lies."""
+KEPT_BEFORE_EDIT = 0.8
+"""(e): the least share of the tokens before the edit that must be reused."""
 
 Prompt = list[int] | Messages
 """Token ids, sent to /v1/completions, or chat messages, sent to /v1/chat/completions."""
@@ -149,10 +161,22 @@ class ScenarioRun:
                              "of the whole: there is no message boundary to measure against")
         return len(ids) - len(kept)
 
-    async def measure(self, scenario: str, prompt: Prompt, allowance: int | None) -> None:
-        """A timed request; `allowance`: tokens over the ideal the issue allows (None: no bound)."""
+    def grid_gap(self, position: int) -> int | None:
+        """Tokens between `position` and the deepest point of the node's resume grid at or before it
+        (`SnapshotPolicy.grid`): what a first divergence there may cost over the ideal; None: no grid."""
+        if not self.interval:
+            return None
+        return position - max((0, *SnapshotPolicy.named("ours", self.interval).grid(position)))
+
+    async def measure(self, scenario: str, prompt: Prompt, allowance: int | None,
+                      kept: float | None = None) -> None:
+        """A timed request; `allowance`: tokens over the ideal the issue allows (None: no bound); `kept`: instead,
+        the least share of the tokens before the divergence that must be reused."""
         ids, messages = self._request(prompt)
         ideal, divergence = self._ideal(ids, messages), divergence_recompute(ids, self.sent)
+        if kept is not None:
+            before = len(ids) - divergence
+            ideal, allowance = divergence, before - int(kept * before)
         reused = await self._timed(self.reused, ids, messages)
         if self.cold is not None:
             cold = await self._timed(self.cold, ids, messages)
@@ -172,7 +196,8 @@ class ScenarioRun:
 async def text_extended(s: ScenarioRun) -> None:
     history = s.source.prefix(HISTORY)
     reply = await s.prime(history)
-    await s.measure("a", history + s.source.suffix(EXTENSION, unlike=reply[:1]), 0)
+    # The extension replaces the stored reply: it resumes at the prompt's retry point, one token before its end.
+    await s.measure("a", history + s.source.suffix(EXTENSION, unlike=reply[:1]), 1)
 
 
 async def text_edited(s: ScenarioRun) -> None:
@@ -180,19 +205,33 @@ async def text_edited(s: ScenarioRun) -> None:
     await s.prime(history)
     at = len(history) - EDIT_FROM_END
     edited = history[:at] + s.source.suffix(1, unlike=(history[at],)) + history[at + 1:]
-    await s.measure("b", edited, s.interval or None)
+    await s.measure("b", edited, s.grid_gap(at))
 
 
 async def text_shared(s: ScenarioRun) -> None:
     system = s.source.prefix(SYSTEM)
     tails = [s.source.suffix(TAIL)]
     await s.prime(system + tails[0])
-    for scenario, allowance in (("c2", s.interval or None), ("c3", 0)):
+    for scenario, allowance in (("c2", s.grid_gap(SYSTEM)), ("c3", 0)):
         tail = s.source.suffix(TAIL)
         while tail[0] in {t[0] for t in tails}:  # the tails diverge at their first token
             tail = s.source.suffix(TAIL)
         tails.append(tail)
         await s.measure(scenario, system + tail, allowance)
+
+
+async def text_retried(s: ScenarioRun) -> None:
+    history = s.source.prefix(DOCUMENT + 100)
+    await s.prime(history)
+    await s.measure("d", history, 0)
+
+
+async def text_late_edit(s: ScenarioRun) -> None:
+    system, tail = s.source.prefix(LATE_SYSTEM), s.source.suffix(60)
+    await s.prime(system + tail)
+    at = int(LATE_SYSTEM * LATE_EDIT)
+    await s.measure("e", system[:at] + s.source.suffix(1, unlike=(system[at],)) + system[at + 1:] + tail, None,
+                    kept=KEPT_BEFORE_EDIT)
 
 
 async def chat_extended(s: ScenarioRun) -> None:
@@ -223,16 +262,36 @@ async def chat_shared(s: ScenarioRun) -> None:
         await s.measure(scenario, [system, m("user", TAIL - gen)], 0)
 
 
+async def chat_retried(s: ScenarioRun) -> None:
+    """The identical conversation sent again: a short system prompt, then a 2,000-token document."""
+    assert s.chat is not None
+    history = [s.chat.message("system", 100), s.chat.message("user", DOCUMENT)]
+    await s.prime(history)
+    await s.measure("d", history, 0)
+
+
+async def chat_late_edit(s: ScenarioRun) -> None:
+    """One word changed 95% of the way into a 1,000-token system prompt, the question after it the same."""
+    assert s.chat is not None
+    history = [s.chat.message("system", LATE_SYSTEM), s.chat.message("user", 60)]
+    await s.prime(history)
+    await s.measure("e", [s.chat.edited(history[0], at=LATE_EDIT), history[1]], None, kept=KEPT_BEFORE_EDIT)
+
+
 Scenario = Callable[[ScenarioRun], Awaitable[None]]
 SCENARIOS: tuple[tuple[str, str, Scenario], ...] = (
     ("text", "a", text_extended), ("text", "b", text_edited), ("text", "c", text_shared),
+    ("text", "d", text_retried), ("text", "e", text_late_edit),
     ("chat", "a", chat_extended), ("chat", "b", chat_edited), ("chat", "c", chat_shared),
+    ("chat", "d", chat_retried), ("chat", "e", chat_late_edit),
 )
 DESCRIPTIONS = {
     "a": f"{HISTORY} cached, +{EXTENSION}",
     "b": f"edit {EDIT_FROM_END} before end",
     "c2": f"shared {SYSTEM}, 2nd tail",
     "c3": f"shared {SYSTEM}, 3rd tail",
+    "d": f"retry, {DOCUMENT}-token last message",
+    "e": f"edit {LATE_EDIT:.0%} into {LATE_SYSTEM}",
 }
 
 

@@ -43,6 +43,13 @@ if TYPE_CHECKING:
     from node.service import ModelService
 
 
+ARCHITECTURE_CLASSES = ("dense", "swa", "alternating", "ssm", "hybrid", "moe", "hybrid-moe")
+MODEL_FAMILIES = ("llama", "mistral", "gemma2", "gemma3", "mixtral", "olmoe", "qwen2-moe", "mamba", "mamba2",
+                  "jamba", "bamba", "falcon-h1", "granite-moe-hybrid", "lfm2", "qwen3-next")
+"""What `tenzro models init --arch` builds (node.engine.synthetic's CLASSES and FAMILIES, which a test holds
+equal): named here because importing that module loads torch and transformers, seconds `--help` should not take."""
+
+
 def default_threads() -> int:
     """Leave a core to the rest of a shared machine: oversubscribed OpenMP is many times slower."""
     cores = len(os.sched_getaffinity(0))
@@ -244,12 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reuse-policy", default="ours", choices=["ours", "interval", "exact"],
                        help="where snapshots are taken: message boundaries, branch points and ends (ours), "
                             "a fixed interval only, or the ends of stored sequences only (exact extension)")
-    serve.add_argument("--snapshot-interval", type=int, default=256,
-                       help="tokens between snapshots of prompts without message structure (0: off)")
+    serve.add_argument("--snapshot-interval", type=int, default=128,
+                       help="the resume grid's spacing near a prompt's start, inside long messages and prompts "
+                            "without structure; past 4 intervals it widens to a quarter of the position "
+                            "(default %(default)s; 0: no grid)")
     serve.add_argument("--eviction", choices=["value", "lru"],
                        help="under a tight budget, evict by compute saved per byte and recency (value, the "
                             "default) or by recency alone (lru)")
-    serve.add_argument("--threads", type=int, default=default_threads(), help="torch CPU threads")
+    serve.add_argument("--threads", type=int, default=default_threads(),
+                       help="torch CPU threads (default: one less than the cores this process may use, "
+                            "%(default)s here)")
     serve.add_argument("--policy", default="standard",
                        help="node policy: confidential, standard (the default) or a policy YAML file: the node's "
                             "jurisdiction and trust tier, and what it refuses to start without (locked memory, no "
@@ -280,7 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = groups.add_parser("models", help="models").add_subparsers(dest="command", required=True)
     init = models.add_parser("init", help="write a deterministic randomly initialised model directory")
-    init.add_argument("--arch", default="dense")
+    init.add_argument("--arch", default="dense", choices=[*ARCHITECTURE_CLASSES, *MODEL_FAMILIES], metavar="ARCH",
+                      help=f"an architecture class: {', '.join(ARCHITECTURE_CLASSES)} (default: dense); or a model "
+                           f"family: {', '.join(MODEL_FAMILIES)}")
     init.add_argument("--size", default="default", choices=["default", "small"])
     init.add_argument("dir")
     init.set_defaults(func=_models_init)

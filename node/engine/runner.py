@@ -179,6 +179,9 @@ class Runner:
             self.prefill(seq)
         assert seq.prediction is not None
         logits = seq.prediction.logits()
+        if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:
+            # The end of everything stored is a resume point, as a reply's end is in `finish`.
+            seq.snapshots[len(prompt)] = self.loaded.state.snapshot(seq.cache)
         self.release(seq)
         self._store(seq.lane, scope, prompt, seq.cache, seq.snapshots)
         return logits, seq.restored

@@ -16,7 +16,7 @@ from bench.scenarios import Sent, divergence_recompute, shared_messages
 from node.cli import build_parser
 
 TENZRO = str(Path(sys.executable).parent / "tenzro")
-SCENARIOS = ["a", "b", "c2", "c3"]
+SCENARIOS = ["a", "b", "c2", "c3", "d", "e"]
 
 
 @pytest.fixture(scope="module")
@@ -94,24 +94,28 @@ def test_bench_scenarios_recomputes_exactly_what_the_issue_expects(hybrid_model_
     def column(form: str, name: str) -> list[int | None]:
         return [rows[form, s][name][0] for s in SCENARIOS]
 
-    # Token ids: (a) resumes at the end of the 1,460 cached tokens; (b) and (c2), first divergences, at the
-    # deepest interval snapshot (1280 before the edit at 1300, 1152 before the tails at 1200); (c3) at the
-    # branch point c2 stored at 1200.
-    assert column("text", "prompt_tokens") == [1500, 1500, 1400, 1400]
-    assert column("text", "recomputed") == [40, 220, 248, 200]
-    assert column("text", "ideal") == column("text", "divergence") == [40, 200, 200, 200]
-    assert column("text", "limit") == [40, 328, 328, 200]
-    assert column("text", "no_reuse_recomputed") == [1500, 1500, 1400, 1400]
-    # Chat: ideal is the new or edited messages and the generation prompt. (a) reuses 5 tokens more: the
-    # cached prompt's generation prompt is the header of the appended assistant message. (c3) 4 more: c2
-    # left a branch point after "<|im_start|>user\n", which both tails start with. (b)'s edit is 4 + 52
-    # tokens into the edited message, which is where a node resuming anywhere would start.
-    assert column("chat", "prompt_tokens") == [1495, 1500, 1400, 1400]
-    assert column("chat", "ideal") == [40, 200, 200, 200]
-    assert column("chat", "recomputed") == [35, 200, 200, 196]
-    assert column("chat", "divergence") == [35, 144, 196, 196]
-    assert column("chat", "limit") == [40, 200, 200, 200]
-    assert column("chat", "no_reuse_recomputed") == [1495, 1500, 1400, 1400]
+    # Token ids: (a) resumes one token before the end of the 1,460 cached tokens (the retry point: the extension
+    # replaces the stored reply, whose end is the other resume point there); (b) and (c2), first divergences, at the
+    # deepest grid snapshot (1280 before the edit at 1300, 1024 before the tails at 1200); (c3) at the branch
+    # point c2 stored at 1200; (d), the same 2,100 tokens again, one token before their end; (e), edited at 950
+    # of 1,060, at the grid's 896: it keeps 94% of the 950 tokens before the edit, at least 80% are due.
+    assert column("text", "prompt_tokens") == [1500, 1500, 1400, 1400, 2100, 1060]
+    assert column("text", "recomputed") == [41, 220, 376, 200, 1, 164]
+    assert column("text", "ideal") == column("text", "divergence") == [40, 200, 200, 200, 1, 110]
+    assert column("text", "limit") == [41, 220, 376, 200, 1, 300]
+    assert column("text", "no_reuse_recomputed") == [1500, 1500, 1400, 1400, 2100, 1060]
+    # Chat: ideal is the new or edited messages and the generation prompt. (a) reuses 4 tokens more: the
+    # cached prompt's generation prompt is the header of the appended assistant message, and it resumes at the
+    # retry point one token before the cached prompt's end (its assistant message is not the stored reply).
+    # (c3) 4 more: c2 left a branch point after "<|im_start|>user\n", which both tails start with. (b)'s edit is 4 + 52
+    # tokens into the edited message, which is where a node resuming anywhere would start. (d) recomputes the
+    # last token only; (e)'s edit is 3 + 945 tokens into the system prompt, and it resumes at the grid's 896.
+    assert column("chat", "prompt_tokens") == [1495, 1500, 1400, 1400, 2105, 1065]
+    assert column("chat", "ideal") == [40, 200, 200, 200, 5, 117]
+    assert column("chat", "recomputed") == [36, 200, 200, 196, 1, 169]
+    assert column("chat", "divergence") == [35, 144, 196, 196, 1, 117]
+    assert column("chat", "limit") == [40, 200, 200, 200, 5, 307]
+    assert column("chat", "no_reuse_recomputed") == [1495, 1500, 1400, 1400, 2105, 1065]
     for row in report["rows"]:
         assert row["within"] is True
         assert row["cold_ttft_ms"] > 0 and row["reused_ttft_ms"] > 0
@@ -122,4 +126,5 @@ def test_bench_scenarios_recomputes_exactly_what_the_issue_expects(hybrid_model_
     lines = result.stdout.splitlines()
     assert lines[0].split()[:6] == ["form", "scenario", "prompt", "recomputed", "ideal", "divergence"]
     assert [line.split()[:2] for line in lines[1:]] == [[form, s] for form in ("text", "chat") for s in SCENARIOS]
-    assert [line.split()[-9] for line in lines[1:]] == ["40", "220", "248", "200", "35", "200", "200", "196"]
+    assert [line.split()[-9] for line in lines[1:]] == ["41", "220", "376", "200", "1", "164",
+                                                        "36", "200", "200", "196", "1", "169"]

@@ -93,3 +93,24 @@ def test_greedy_decoding_after_a_resume_matches(loaded: LoadedModel) -> None:
         assert got.output_ids == plain.generate(request, emit=lambda _: None, cancelled=lambda: False).output_ids
         assert turn == 0 or got.cached_read_tokens == len(history) - 12
         history = history + got.output_ids
+
+
+def test_an_identical_prompt_sent_again_recomputes_only_its_last_token(loaded: LoadedModel) -> None:
+    # Issue 34: a hybrid's retry of a prompt whose last message is long recomputed that whole message.
+    run, plain, scope = runner(loaded), Runner(loaded, None), Scope("alice", loaded.model_id)
+    system, document = tokens(40, 30), tokens(41, 400)
+    request = GenerationRequest(scope, system + document, SamplingParams(6, 0.0), boundaries=(30, 425))
+    first = run.generate(request, emit=lambda _: None, cancelled=lambda: False)
+    again = run.generate(request, emit=lambda _: None, cancelled=lambda: False)
+    assert (first.cached_read_tokens, again.cached_read_tokens) == (0, 429)
+    assert again.output_ids == first.output_ids == plain.generate(request, emit=lambda _: None,
+                                                                  cancelled=lambda: False).output_ids
+
+
+def test_an_edit_late_in_a_long_message_resumes_on_the_grid_before_it(loaded: LoadedModel) -> None:
+    # The default grid: 128 apart up to 512, then at most a quarter of the position (896 before 950).
+    run = sealed_runner(loaded, 1 << 32, prefill_chunk=48, policy=SnapshotPolicy())
+    system, question = tokens(42, 1000), tokens(43, 40)
+    check(loaded, run, system + question, 0)
+    edited = system[:950] + [system[950] + 1] + system[951:]
+    check(loaded, run, edited + question, 950 if is_dense(loaded) else 896)
