@@ -82,12 +82,18 @@ class ModelService:
                                   f"this model is more than {per_token} bytes); this model's context length is "
                                   f"{self.loaded.context_length} tokens", param=param, code="context_length_exceeded")
 
-    def chat_prompt(self, messages: tuple[Message, ...], forms: bool = False) -> Prompt:
+    def chat_prompt(self, messages: tuple[Message, ...], forms: bool = False, caller: str | None = None) -> Prompt:
         """The rendered chat, and its prefix forms when `forms` (a router's caller). Its size was bounded when it was
-        parsed (`openai_schema.parse_chat`'s `ChatBounds`, stricter than `check_text_fits`): not counted again."""
+        parsed (`openai_schema.parse_chat`'s `ChatBounds`, stricter than `check_text_fits`): not counted again.
+        `caller`: whose replies an assistant message may be (`cache/replies.py`): those are their generated ids."""
         plain = [{"role": m.role, "content": m.content} for m in messages]
+        replies = None
+        if caller is not None:
+            scope, book = Scope(caller=caller, model=self.model_id), self.runner.replies
+            replies = lambda content: book.recall(scope, content)  # noqa: E731
         try:
-            rendered = render_chat(self.loaded.tokenizer, plain, fits=self.loaded.context_length - 1)
+            rendered = render_chat(self.loaded.tokenizer, plain, fits=self.loaded.context_length - 1,
+                                   replies=replies)
         except ChatTemplateError as exc:
             raise invalid_request(f"model {self.model_id!r}: {exc}", param="messages") from exc
         return Prompt(rendered, chat_forms(plain, rendered) if forms else NO_FORMS)

@@ -69,7 +69,9 @@ def _usage(record: UsageRecord, result: GenerationResult) -> dict[str, Any]:
         "prompt_tokens": counts.input_tokens,
         "completion_tokens": counts.output_tokens,
         "total_tokens": counts.input_tokens + counts.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": counts.cached_read_tokens},
+        # Where OpenAI's client reads them (`PromptTokensDetails`); the top-level pair below is this node's own.
+        "prompt_tokens_details": {"cached_tokens": counts.cached_read_tokens,
+                                  "cache_write_tokens": counts.cached_write_tokens},
         "cached_read_tokens": counts.cached_read_tokens,
         "cached_write_tokens": counts.cached_write_tokens,
         # This node's extensions, for the caller's own request only: tokens that agreed with its stored tokens
@@ -254,7 +256,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                         loaded.message_tokens)
     chat = await read_body(request, lambda body: parse_chat(body, bounds))
     service = _service(request, chat.params.model)
-    prompt = await off_loop(request, service.chat_prompt, chat.messages, caller.router is not None)
+    # A caller whose state is kept has its replies recognised when it sends them back (`cache/replies.py`).
+    prompt = await off_loop(request, service.chat_prompt, chat.messages, caller.router is not None,
+                            caller.name if caller.retention == "keep" else None)
     return await _respond(request, service, caller, prompt, chat.params, Shape(True, service.model_id))
 
 

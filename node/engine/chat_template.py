@@ -96,8 +96,9 @@ def _marker(messages: list[dict[str, str]], text: str) -> str:
 
 
 def _content_spans(tokenizer: Any, text: str, messages: list[dict[str, str]],
-                   marked: list[int]) -> list[tuple[int, int]]:
-    """Where the contents of `messages[i]` for i in `marked` lie in the rendered `text`, in order. The
+                   marked: list[int]) -> list[tuple[int, int, int]]:
+    """Where the contents of `messages[i]` for i in `marked` lie in the rendered `text`: (i, start, end), in the
+    text's order. The
     conversation is rendered again with a unique marker in place of each such content; the text around the
     markers is the template's own. A template that writes each content as given gives back `text` with the
     contents in the markers' places: the spans are exact. One that changes a content (strips it, say) is
@@ -113,11 +114,12 @@ def _content_spans(tokenizer: Any, text: str, messages: list[dict[str, str]],
     parts = re.split(f"({marker}m[0-9]+e)", rendered)
     pieces, order = parts[0::2], [markers[found] for found in parts[1::2]]
     contents = [messages[index].get("content") or "" for index in order]
-    spans, cursor = [], 0
+    spans: list[tuple[int, int, int]] = []
+    cursor = 0
     if "".join(piece + content for piece, content in zip(pieces, [*contents, ""], strict=True)) == text:
-        for piece, content in zip(pieces, contents, strict=False):
+        for index, piece, content in zip(order, pieces, contents, strict=False):
             cursor += len(piece)
-            spans.append((cursor, cursor + len(content)))
+            spans.append((index, cursor, cursor + len(content)))
             cursor += len(content)
         return spans
     for at, content in enumerate(contents):
@@ -127,7 +129,7 @@ def _content_spans(tokenizer: Any, text: str, messages: list[dict[str, str]],
         end = _longest_piece(text, cursor, content, pieces[at + 1], last=at + 1 == len(contents))
         if end is None:
             break
-        spans.append((cursor, end))
+        spans.append((order[at], cursor, end))
         cursor = end
     else:
         if text.startswith(pieces[-1], cursor) and cursor + len(pieces[-1]) == len(text):
@@ -151,25 +153,50 @@ def _longest_piece(text: str, start: int, content: str, after: str, last: bool) 
     return None
 
 
-def _tokenize(tokenizer: Any, text: str, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    """Token ids of `text` and each token's start offset; special-token strings inside message contents are
-    tokenized as text. Conversations without any keep the one-pass tokenization."""
+def _tokenize(tokenizer: Any, text: str, messages: list[dict[str, str]],
+              replies: Callable[[str], list[int] | None] | None) -> tuple[list[int], list[int]]:
+    """Token ids of `text` and each token's start offset (-1 inside a recalled reply but at its first); special-token
+    strings inside message contents are tokenized as text, and an assistant message whose content `replies`
+    recognises as a reply this node generated is its generated ids. Conversations with neither keep the one-pass
+    tokenization."""
     specials = _special_strings(tokenizer)
     marked = [index for index, message in enumerate(messages)
               if any(special in (message.get("content") or "") for special in specials)]
-    spans = _content_spans(tokenizer, text, messages, marked) if marked else []
-    pieces: list[tuple[int, int, bool]] = []  # (start, end, content holding special-token text)
+    recalled: dict[int, list[int]] = {}
+    for index, message in enumerate(messages):
+        content = message.get("content") or ""
+        if replies is not None and message.get("role") == "assistant" and content:
+            generated = replies(content)
+            if generated is not None:
+                recalled[index] = generated
+    spans: list[tuple[int, int, int]] = []
+    if marked or recalled:
+        try:
+            spans = _content_spans(tokenizer, text, messages, sorted({*marked, *recalled}))
+        except ChatTemplateError:
+            if marked:
+                raise
+            spans = []  # replies alone, where the template hides their place: tokenized as text
+    pieces: list[tuple[int, int, bool, list[int] | None]] = []
+    """(start, end, content holding special-token text, the generated ids standing for it)."""
     cursor = 0
-    for start, end in spans:
+    for index, start, end in spans:
         if start > cursor:
-            pieces.append((cursor, start, False))
-        pieces.append((start, end, True))
+            pieces.append((cursor, start, False, None))
+        content = messages[index].get("content") or ""
+        # Only a content the template wrote as given stands for the reply's ids: one it changed (stripped, say)
+        # is what the model reads, and is tokenized.
+        pieces.append((start, end, index in marked, recalled.get(index) if text[start:end] == content else None))
         cursor = end
     if cursor < len(text) or not pieces:
-        pieces.append((cursor, len(text), False))
+        pieces.append((cursor, len(text), False, None))
     ids: list[int] = []
     starts: list[int] = []
-    for start, end, as_text in pieces:
+    for start, end, as_text, generated in pieces:
+        if generated is not None:
+            ids.extend(generated)
+            starts.extend([start] + [-1] * (len(generated) - 1))
+            continue
         encoded = tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=True,
                             split_special_tokens=as_text)
         ids.extend(int(t) for t in encoded["input_ids"])
@@ -177,16 +204,18 @@ def _tokenize(tokenizer: Any, text: str, messages: list[dict[str, str]]) -> tupl
     return ids, starts
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], fits: int | None = None) -> RenderedChat:
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], fits: int | None = None,
+                replies: Callable[[str], list[int] | None] | None = None) -> RenderedChat:
     """The conversation's ids and message boundaries; where it renders to more than `fits` tokens (it cannot
-    run), no boundaries are computed: the caller refuses it."""
+    run), no boundaries are computed: the caller refuses it. `replies`: the generated ids of an assistant
+    message's content when it is a reply this node generated for the caller (`cache/replies.py`), else None."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("this model has no chat template; use /v1/completions")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - templates raise whatever jinja raises
         raise ChatTemplateError(f"the chat template rejected these messages: {type(exc).__name__}") from exc
-    ids, offsets = _tokenize(tokenizer, text, messages)
+    ids, offsets = _tokenize(tokenizer, text, messages, replies)
     if fits is not None and len(ids) > fits:
         return RenderedChat(ids, ())
     first = max(1, len(messages) - BOUNDARY_MESSAGES + 1)

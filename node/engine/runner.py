@@ -23,6 +23,7 @@ from cache.arena import Borrowed, Scope, SealCost, SealedEntryError, StateArena
 from cache.opening import Opening
 from cache.prefix_cache import PrefixCache, StoreResult, belongs_to
 from cache.radix_tree import common_prefix_length
+from cache.replies import ReplyBook
 from cache.snapshot_policy import SnapshotPolicy
 from cache.token_digest import DigestRun
 from cache.working_cache import ROWS_GRAIN
@@ -60,6 +61,9 @@ class Runner:
         plaintext; requests store nothing (billed without cached writes, `retained` false), as under retention
         none."""
         self.prefill_chunk = prefill_chunk
+        self.replies = ReplyBook()
+        """The replies generated for callers whose state is kept, sealed (`cache/replies.py`): kept with reuse off
+        too, so that a conversation's prompts, and so its outputs, are the same with reuse on and off."""
         self._hot: tuple[int, Scope, DigestRun] | None = None
         """(lane, scope, the digests of the tokens whose rows the lane still holds) after a request was stored."""
         """The lane, scope and tokens whose state the lane's buffers hold from the last finished request: the
@@ -292,19 +296,21 @@ class Runner:
 
     def drop_caller(self, caller: str) -> None:
         """The caller's key was removed: its stored state (and that of the callers it acts for as a router) is
-        zeroed, its keys destroyed, its hot working cache wiped."""
-        if self.prefix_cache is None:
-            return
-        dropped = self.prefix_cache.drop_caller(caller)
+        zeroed, its keys destroyed, its hot working cache wiped, its replies forgotten."""
+        self.replies.drop(lambda scope: belongs_to(scope, caller))
         for seq in self._live.values():
             if belongs_to(seq.request.scope, caller):
                 seq.discard = True  # nothing of it is stored when it ends
+        if self.prefix_cache is None:
+            return
+        dropped = self.prefix_cache.drop_caller(caller)
         if self._hot is not None and (self._hot[1] in dropped or belongs_to(self._hot[1], caller)):
             self._hot = None
             self.settle()
 
     def expire(self, ttl_of: Callable[[str], float | None]) -> None:
-        """Destroy the state of scopes unused for longer than their caller's time to live."""
+        """Destroy the state and replies of scopes unused for longer than their caller's time to live."""
+        self.replies.expire(ttl_of)
         if self.prefix_cache is None:
             return
         expired = self.prefix_cache.expire(ttl_of)
@@ -519,6 +525,8 @@ class Runner:
         self.release(seq)
         fed = prompt + output
         matched = min(max(seq.matched, seq.restored), len(prompt) - 1)
+        if request.retain and not seq.discard and not seq.prefilling:
+            self._record_reply(seq)
         if not (request.retain and self.keeps_state) or seq.discard:
             return GenerationResult(prompt_tokens=len(prompt), cached_read_tokens=seq.restored,
                                     cached_write_tokens=0, output_ids=output, text=seq.detok.text,
@@ -545,6 +553,15 @@ class Runner:
                                 cached_write_tokens=written, output_ids=output, text=seq.detok.text,
                                 finish_reason=seq.finish_reason or "length", queue_wait_s=seq.queue_wait_s,
                                 ttft_s=seq.ttft, matched_tokens=matched)
+
+    def _record_reply(self, seq: Running) -> None:
+        """Remember `seq`'s reply for its scope when its text is exactly its ids decoded (with no stop string cut
+        from it, no special token inside it): a conversation that sends the text back is then given the ids."""
+        ids = seq.output
+        while ids and ids[-1] in self.loaded.eos_token_ids:
+            ids = ids[:-1]
+        if ids and self.loaded.tokenizer.decode(ids, skip_special_tokens=False) == seq.detok.text:
+            self.replies.record(seq.request.scope, seq.detok.text, ids)
 
     def generate(self, request: GenerationRequest, emit: Callable[[str], Any],
                  cancelled: Callable[[], bool], queue_wait_s: float = 0.0, lane: int = 0) -> GenerationResult:

@@ -17,7 +17,7 @@ import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -348,6 +348,9 @@ class Canary:
     marker_ids: list[int]
     """The marker's ids after its first (which may merge with the text before it)."""
     small_ids: list[int]
+    replies: list[tuple[str, list[int]]] = field(default_factory=list)
+    """The first chat reply's text and ids once sent: the node keeps it, sealed, to recognise it when it is sent
+    back (`cache/replies.py`)."""
 
     @staticmethod
     def make(tokenizer: Any, seed: int) -> Canary:
@@ -359,12 +362,20 @@ class Canary:
     def send(self, caller: openai.OpenAI, model: str) -> None:
         messages = [{"role": "system", "content": "You keep codes."},
                     {"role": "user", "content": f"Remember the code {self.marker} for me."}]
-        first = caller.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
-        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+        first = caller.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                               extra_body={"return_token_ids": True})
+        reply = first.choices[0].message.content or ""
+        self.replies.append((reply, list((first.choices[0].model_extra or {})["token_ids"])))
+        messages += [{"role": "assistant", "content": reply},
                      {"role": "user", "content": f"Repeat the code {self.marker} once."}]
         stream = caller.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
-                                                stream=True)
-        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) is not None
+                                                stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert first.usage is not None and chunks[-1].usage is not None
+        assert chunks[-1].usage.prompt_tokens_details is not None
+        # The reply sent back was recognised: the first turn's prompt and its whole reply were reused.
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens + 6
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) is not None
         reused = caller.completions.create(model=model, prompt=self.small_ids, max_tokens=4, temperature=0)
         again = caller.completions.create(model=model, prompt=self.small_ids, max_tokens=4, temperature=0)
         assert reused.usage.prompt_tokens == len(self.small_ids)
@@ -372,8 +383,13 @@ class Canary:
 
     def needles(self, small_ints: dict[int, int]) -> dict[str, bytes]:
         """Every form searched for: the marker's words (each is in every copy of the marker), its ids and the
-        small prompt's as int32 and int64 little-endian runs, and the small prompt as a run of pointers."""
-        return {**{f"marker word {i}": word.encode() for i, word in enumerate(self.marker.split())},
+        small prompt's as int32 and int64 little-endian runs, and the small prompt as a run of pointers; and the
+        first reply's text and ids, which the node recognises when they are sent back."""
+        text, ids = self.replies[0]
+        reply = {"reply ids int32": np.array(ids, "<i4").tobytes(), "reply ids int64": np.array(ids, "<i8").tobytes()}
+        if len(text.encode()) >= 16:  # long enough to be nowhere by chance
+            reply["reply text"] = text.encode()
+        return {**reply, **{f"marker word {i}": word.encode() for i, word in enumerate(self.marker.split())},
                 "marker ids int32": np.array(self.marker_ids, "<i4").tobytes(),
                 "marker ids int64": np.array(self.marker_ids, "<i8").tobytes(),
                 "small ids int32": np.array(self.small_ids, "<i4").tobytes(),

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from cache.arena import Scope
+from node.engine.chat_template import render_chat
 from node.engine.loader import load_model
 from node.engine.runner import GenerationRequest, Runner
 from node.engine.sampling import SamplingParams
@@ -37,30 +38,29 @@ def test_five_turn_chat_reuses_history_and_matches_no_reuse(node_factory, small_
     messages = [{"role": "system", "content": "You are a terse assistant for the test suite."}]
     stored: list[int] = []
     previous_prompt_len = 0
-    drift_free_turns = 0
+    replies: dict[str, list[int]] = {}  # the node's replies, which it gives back their generated ids
     for turn in range(5):
         messages.append({"role": "user", "content": f"Question number {turn}: tell me about flowers."})
         got = c_reuse.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
         expected = c_plain.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
         assert got.choices[0].message.content == expected.choices[0].message.content
         assert expected.usage.prompt_tokens_details.cached_tokens == 0
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        prompt = render_chat(tokenizer, messages, replies=replies.get).ids
         assert got.usage.prompt_tokens == len(prompt)
         cached = got.usage.prompt_tokens_details.cached_tokens
-        # Reuse covers the previous prompt and the reply as generated, up to the first token where the
-        # re-rendered reply differs from the generated ids; one prompt token is always computed.
+        # Reuse covers the previous prompt and the whole reply as generated (issue 34: the re-rendered reply's text
+        # re-tokenized to other ids, and reuse stopped at the first); one prompt token is always computed.
         assert cached == min(common_prefix(stored, prompt), len(prompt) - 1)
         if turn:
-            assert cached >= previous_prompt_len
-            drift_free_turns += cached >= len(stored) - 1
+            assert cached >= len(stored) > previous_prompt_len
         reference = oracle.generate(GenerationRequest(Scope("t", model), prompt, SamplingParams(12, 0.0)),
                                     emit=lambda _: None, cancelled=lambda: False)
         assert reference.text == got.choices[0].message.content
         stored = prompt + reference.output_ids
         previous_prompt_len = len(prompt)
+        replies[reference.text] = [t for t in reference.output_ids if t not in oracle.loaded.eos_token_ids]
         messages.append({"role": "assistant", "content": got.choices[0].message.content})
     assert got.usage.prompt_tokens > 100
-    print(f"turns whose whole previous reply was reused: {drift_free_turns} of 4")
 
 
 def test_another_caller_and_another_model_start_from_scratch(node_factory, small_model_dir: Path) -> None:
@@ -117,6 +117,47 @@ def test_seeded_sampling_repeats_and_stop_strings_cut(node_factory, small_model_
     cut = c.completions.create(model=model, prompt="Once upon a time", max_tokens=10, temperature=0, stop=[stop])
     assert cut.choices[0].text == full.text[:full.text.find(stop)]
     assert cut.choices[0].finish_reason == "stop"
+
+
+def test_unknown_and_unimplemented_fields_are_refused_by_name_and_the_node_keeps_serving(
+        node_factory, small_model_dir: Path) -> None:
+    """As OpenAI refuses them (issue 34: `modalities: ["audio"]`, `web_search_options`, `store: true` and a
+    made-up field were served with 200, as if absent)."""
+    node = node_factory(small_model_dir)
+    c = client(node, node.add_key("alice"))
+    model = small_model_dir.name
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as unknown:
+        c.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                  extra_body={"made_up": 1, "max_token": 5})
+    assert unknown.value.body == {
+        "message": "unknown parameters 'made_up', 'max_token': remove them (this node refuses the fields it does "
+                   "not know rather than ignore them)",
+        "type": "invalid_request_error", "param": "made_up", "code": "unknown_parameter"}
+    for field, kwargs in (("web_search_options", {"extra_body": {"web_search_options": {}}}),
+                          ("store", {"store": True}), ("modalities", {"modalities": ["audio"]})):
+        with pytest.raises(openai.BadRequestError) as unsupported:
+            c.chat.completions.create(model=model, messages=messages, max_tokens=2, **kwargs)
+        assert (unsupported.value.body["param"], unsupported.value.body["code"]) == (field, "unsupported_parameter")
+    with pytest.raises(openai.BadRequestError) as text:
+        c.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"made_up": 1})
+    assert text.value.body["param"] == "made_up"
+    served = c.chat.completions.create(model=model, messages=messages, max_tokens=2, store=False, user="u-1")
+    assert served.usage.completion_tokens == 2
+
+
+def test_usage_carries_cache_writes_where_openai_clients_read_them(node_factory, small_model_dir: Path) -> None:
+    node = node_factory(small_model_dir)
+    c = client(node, node.add_key("alice"))
+    messages = [{"role": "user", "content": "Write down what the tide does."}]
+    first = c.chat.completions.create(model=small_model_dir.name, messages=messages, max_tokens=2)
+    again = c.chat.completions.create(model=small_model_dir.name, messages=messages, max_tokens=2)
+    details = first.usage.prompt_tokens_details
+    assert (details.cached_tokens, details.cache_write_tokens) == (0, first.usage.prompt_tokens)  # all written
+    details = again.usage.prompt_tokens_details
+    assert (details.cached_tokens, details.cache_write_tokens) == (again.usage.prompt_tokens - 1, 0)
+    for usage in (first.usage, again.usage):  # the node's own top-level fields stay
+        assert usage.prompt_tokens_details.cache_write_tokens == usage.model_extra["cached_write_tokens"]
 
 
 ERROR_CASES = [

@@ -78,3 +78,34 @@ def test_message_tokens_counts_the_special_tokens_around_each_message(tokenizer:
         "{% if message['role'] == 'tool' %}{{ message['content'] }}{% else %}"
         "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}")
     assert message_tokens(alternating) == 0  # a tool message adds none; refused pairs are left out
+
+
+def test_a_reply_this_node_generated_is_its_generated_ids_again(tokenizer: Any) -> None:
+    reply = " the tide, turning"
+    generated = as_text(tokenizer, " the tide, turn") + as_text(tokenizer, "ing")  # not the one-pass ids
+    assert generated != as_text(tokenizer, reply)
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": reply},
+                {"role": "user", "content": "b"}]
+    recalled = render_chat(tokenizer, messages, replies=lambda content: generated if content == reply else None)
+    before, after = "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>\n<|im_start|>user\nb"
+    assert recalled.ids == (control(tokenizer, before) + generated + control(tokenizer, after + "<|im_end|>\n")
+                            + control(tokenizer, GENERATION))
+    # The boundaries are where the messages start, as without it.
+    plain = render_chat(tokenizer, messages)
+    assert plain.ids == control(tokenizer, before + reply + after + "<|im_end|>\n" + GENERATION)
+    shift = len(generated) - len(as_text(tokenizer, reply))
+    assert recalled.boundaries == tuple(b if b <= len(control(tokenizer, before)) else b + shift
+                                        for b in plain.boundaries)
+    # Only assistant messages are replies; an unknown reply is text.
+    user_said = [{"role": "user", "content": reply}]
+    assert render_chat(tokenizer, user_said, replies=lambda _: generated).ids == render_chat(tokenizer, user_said).ids
+    assert render_chat(tokenizer, messages, replies=lambda _: None).ids == plain.ids
+
+
+def test_a_reply_the_template_changes_is_what_the_model_reads_not_the_generated_ids(tokenizer: Any) -> None:
+    stripping = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    stripping.chat_template = tokenizer.chat_template.replace("message['content']", "message['content'] | trim")
+    reply = " padded reply "
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": reply}]
+    assert (render_chat(stripping, messages, replies=lambda _: [1, 2, 3]).ids
+            == render_chat(stripping, messages).ids)

@@ -173,3 +173,24 @@ def test_cached_writes_count_the_whole_new_span_when_snapshots_cut_it(tmp_path: 
     second = run.generate(GenerationRequest(Scope("c", "h"), prompt[:90] + tokens(16, 30), SamplingParams(4, 0.0),
                                             boundaries=(40, 90)), emit=lambda _: None, cancelled=lambda: False)
     assert (second.cached_read_tokens, second.cached_write_tokens) == (90, 30)
+
+
+def test_a_reply_is_remembered_only_where_its_text_is_exactly_its_ids(loaded: LoadedModel) -> None:
+    for runner in (fresh_runner(loaded), Runner(loaded, None)):  # with reuse off too: the same prompts
+        prompt = tokens(31, 24)
+        plain = runner.generate(GenerationRequest(SCOPE, prompt, SamplingParams(8, 0.0)), emit=lambda _: None,
+                                cancelled=lambda: False)
+        assert runner.replies.recall(SCOPE, plain.text) == plain.output_ids
+        # A stop string cut the text short of the ids; retention none keeps nothing.
+        stop = plain.text[len(plain.text) // 2:][:3]
+        assert stop
+        other = Scope("stopped", loaded.model_id)
+        cut = runner.generate(GenerationRequest(other, prompt, SamplingParams(8, 0.0, stop=(stop,))),
+                              emit=lambda _: None, cancelled=lambda: False)
+        assert cut.text != plain.text and runner.replies.replies(other) == 0
+        kept_none = Scope("none", loaded.model_id)
+        runner.generate(GenerationRequest(kept_none, prompt, SamplingParams(8, 0.0), retain=False),
+                        emit=lambda _: None, cancelled=lambda: False)
+        assert runner.replies.replies(kept_none) == 0
+        runner.drop_caller(SCOPE.caller)
+        assert runner.replies.recall(SCOPE, plain.text) is None
