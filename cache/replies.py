@@ -33,6 +33,9 @@ from cache.scope import Scope
 
 MAX_REPLIES = 256
 """Replies remembered per scope, the most recent: a conversation re-sends its last few; an agent's loop, its own."""
+MAX_BYTES = 64 << 20
+"""Sealed ids the whole book holds (4 bytes an id): past it the least recently used scope's oldest replies go
+first. A router's callers can be many scopes; the book must not grow with them unbounded."""
 KEY_BYTES = 32
 TAG_BYTES = 16
 """Of the HMAC: a false match needs two texts of one scope to agree in 128 bits, and is then still only ids that
@@ -76,8 +79,11 @@ class _Shelf:
 
 
 class ReplyBook:
-    def __init__(self, per_scope: int = MAX_REPLIES) -> None:
+    def __init__(self, per_scope: int = MAX_REPLIES, max_bytes: int = MAX_BYTES) -> None:
         self.per_scope = per_scope
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        """Sealed bytes held, all scopes."""
         self._shelves: dict[Scope, _Shelf] = {}
         self._lock = threading.Lock()
 
@@ -91,10 +97,19 @@ class ReplyBook:
                 shelf = self._shelves[scope] = _Shelf()
             shelf.used = time.monotonic()
             tag = shelf.tag(text)
+            self._forget(shelf, tag)
             shelf.entries[tag] = shelf.seal(tag, ids)
-            shelf.entries.move_to_end(tag)
+            self.bytes += len(shelf.entries[tag][1])
             while len(shelf.entries) > self.per_scope:
-                shelf.entries.popitem(last=False)
+                self._forget(shelf, next(iter(shelf.entries)))
+            while self.bytes > self.max_bytes:
+                coldest = min(self._shelves.values(), key=lambda held: held.used if held.entries else float("inf"))
+                self._forget(coldest, next(iter(coldest.entries)))
+
+    def _forget(self, shelf: _Shelf, tag: bytes) -> None:
+        entry = shelf.entries.pop(tag, None)
+        if entry is not None:
+            self.bytes -= len(entry[1])
 
     def recall(self, scope: Scope, text: str) -> list[int] | None:
         """The ids of the reply generated for `scope` whose text is `text`, or None."""
@@ -111,7 +126,7 @@ class ReplyBook:
             try:
                 return shelf.open(tag, *entry)
             except InvalidTag:  # altered in memory: forgotten, and the text is tokenized as text
-                del shelf.entries[tag]
+                self._forget(shelf, tag)
                 return None
 
     def replies(self, scope: Scope) -> int:
@@ -124,7 +139,9 @@ class ReplyBook:
         with self._lock:
             dropped = [scope for scope in self._shelves if select(scope)]
             for scope in dropped:
-                self._shelves.pop(scope).destroy()
+                shelf = self._shelves.pop(scope)
+                self.bytes -= sum(len(sealed) for _, sealed in shelf.entries.values())
+                shelf.destroy()
         return dropped
 
     def expire(self, ttl_of: Callable[[str], float | None], now: float | None = None) -> list[Scope]:

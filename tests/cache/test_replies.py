@@ -65,3 +65,19 @@ def test_an_altered_entry_is_forgotten_not_trusted() -> None:
     shelf.entries[tag] = (nonce, bytes([sealed[0] ^ 1]) + sealed[1:])
     assert book.recall(ALICE, "words") is None
     assert book.replies(ALICE) == 0
+
+
+def test_the_book_holds_at_most_its_bytes_dropping_the_coldest_scopes_oldest_replies_first() -> None:
+    sealed = 4 * 10 + 16  # ten ids and the GCM tag
+    book = ReplyBook(max_bytes=3 * sealed)
+    book.record(ALICE, "a0", list(range(10)))
+    book.record(BOB, "b0", list(range(10)))
+    book.record(ALICE, "a1", list(range(10)))
+    assert book.bytes == 3 * sealed
+    book.record(BOB, "b1", list(range(10)))  # alice's shelf was used less recently: her oldest goes
+    assert [book.recall(ALICE, "a0"), book.recall(ALICE, "a1") is not None] == [None, True]
+    assert book.bytes == 3 * sealed
+    book.record(BOB, "b1", list(range(10)))  # the same reply again replaces its entry
+    assert book.bytes == 3 * sealed
+    book.drop(lambda scope: True)
+    assert book.bytes == 0
