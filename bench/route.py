@@ -1,11 +1,15 @@
-"""`tenzro bench route`: three local nodes behind a router, many callers in multi-turn chats sharing system
+"""`tenzro bench route`: local nodes (`--nodes`) behind a router, many callers in multi-turn chats sharing system
 prompts; how often a follow-up turn lands on the node holding its conversation, and how evenly the nodes load.
 
 Each routing (`warm`: the bounded warm bias; `least-loaded`: price, load and latency alone; `round-robin`) runs
-against the same three nodes with its own router and its own callers (so no routing inherits another's warm
-state). All callers run at once; each sends its turns one after the other, streamed, greedy. A follow-up turn
-lands warm when the node that served it is the one that served the caller's previous turn: the node holding its
-conversation. Load is the number of requests each node served.
+against the same nodes with its own router and its own callers (so no routing inherits another's warm state).
+Callers arrive `--arrival-s` apart and send their turns one after the other, streamed, greedy. Two kinds take
+turns: agents send each follow-up as soon as the reply before it has ended (back to back), people pause about
+`--think-s` first (`--paced` of the callers). Back-to-back follow-ups are reported on their own: they reach the
+router while the turn before is freshest, the case a router counting finished requests as load sends elsewhere.
+Arrivals spread over time, rather than all callers at once in step, leave the nodes unevenly busy, as traffic
+does. A follow-up turn lands warm when the node that served it is the one that served the caller's previous
+turn: the node holding its conversation. Load is the number of requests each node served.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class Turn:
     routing: str
     caller: int
     turn: int
+    back_to_back: bool
+    """Sent as soon as the caller's previous reply ended (an agent's follow-up); False for a first turn."""
     provider: str
     prompt_tokens: int
     cached_tokens: int
@@ -54,6 +60,9 @@ class Row:
     routing: str
     follow_ups: int
     warm_rate: float
+    back_to_back: int
+    """How many of the follow-ups were sent back to back."""
+    warm_back_to_back: float
     reused_fraction: float
     ttft_p50_ms: float
     ttft_p90_ms: float
@@ -113,30 +122,57 @@ class Router:
             self.process.kill()
 
 
-async def _conversation(client: Client, routing: str, caller: int, system: str, turns: int, new_tokens: int,
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """One caller's part: when it arrives and how long it pauses before each follow-up (0: back to back)."""
+
+    index: int
+    start_s: float
+    think_s: float
+
+
+def callers(count: int, arrival_s: float, paced: float, think_s: float, rng: random.Random) -> list[Caller]:
+    """`count` callers arriving `arrival_s` apart. The share `paced` of them, spread evenly through the arrivals,
+    pause before each follow-up (between half and one and a half `think_s`); the others are agents."""
+    made = []
+    for index in range(count):
+        is_paced = think_s > 0 and int((index + 1) * paced) > int(index * paced)
+        made.append(Caller(index, index * arrival_s, rng.uniform(0.5, 1.5) * think_s if is_paced else 0.0))
+    return made
+
+
+async def _conversation(client: Client, routing: str, caller: Caller, system: str, turns: int, new_tokens: int,
                         rng: random.Random) -> list[Turn]:
+    await asyncio.sleep(caller.start_s)
     messages: Messages = [{"role": "system", "content": system}]
     seen = []
     for turn in range(turns):
+        if turn and caller.think_s:
+            await asyncio.sleep(caller.think_s)
         messages.append({"role": "user", "content": f"Step {turn}: " + _text(rng, 12)})
         answer = await client.chat(messages, max_tokens=new_tokens)
         timing = answer.timing()
-        seen.append(Turn(routing, caller, turn, answer.headers.get("Tenzro-Provider", "?"),
-                         timing.prompt_tokens or 0, timing.cached_tokens or 0, timing.ttft_s * 1000))
+        seen.append(Turn(routing, caller.index, turn, turn > 0 and not caller.think_s,
+                         answer.headers.get("Tenzro-Provider", "?"), timing.prompt_tokens or 0,
+                         timing.cached_tokens or 0, timing.ttft_s * 1000))
         messages.append({"role": "assistant", "content": answer.text})
     return seen
+
+
+def _warm_share(follow_ups: list[tuple[Turn, Turn]]) -> float:
+    return sum(turn.provider == previous.provider for previous, turn in follow_ups) / max(1, len(follow_ups))
 
 
 def summarize(routing: str, turns: list[Turn], providers: list[str]) -> Row:
     by_caller = {caller: sorted(group, key=lambda t: t.turn)
                  for caller, group in itertools.groupby(sorted(turns, key=lambda t: t.caller), key=lambda t: t.caller)}
     follow_ups = [(previous, turn) for seen in by_caller.values() for previous, turn in itertools.pairwise(seen)]
-    warm = sum(turn.provider == previous.provider for previous, turn in follow_ups)
+    back_to_back = [(previous, turn) for previous, turn in follow_ups if turn.back_to_back]
     reused = sum(turn.cached_tokens for _, turn in follow_ups) / max(1, sum(t.prompt_tokens for _, t in follow_ups))
     ttfts = sorted(turn.ttft_ms for turn in turns)
     load = Counter(turn.provider for turn in turns)
-    return Row(routing, len(follow_ups), warm / max(1, len(follow_ups)), reused,
-               statistics.median(ttfts), ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
+    return Row(routing, len(follow_ups), _warm_share(follow_ups), len(back_to_back), _warm_share(back_to_back),
+               reused, statistics.median(ttfts), ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
                {name: load.get(name, 0) for name in providers})
 
 
@@ -163,10 +199,11 @@ async def _run(args: argparse.Namespace, workdir: Path) -> tuple[list[Row], list
                 routers.append(router)
                 await router.wait_up(session, len(specs))
                 clients = [Client(session, router.url + "/v1", key, model.name) for key in router.keys]
+                parts = callers(args.callers, args.arrival_s, args.paced, args.think_s, random.Random(args.seed))
                 seen = await asyncio.gather(*(
-                    _conversation(client, routing, index, systems[index % len(systems)], args.turns, args.new_tokens,
-                                  random.Random(args.seed * 1000 + index))
-                    for index, client in enumerate(clients)))
+                    _conversation(client, routing, part, systems[part.index % len(systems)], args.turns,
+                                  args.new_tokens, random.Random(args.seed * 1000 + part.index))
+                    for part, client in zip(parts, clients, strict=True)))
                 routed = [turn for conversation in seen for turn in conversation]
                 rows.append(summarize(routing, routed, [name for name, *_ in specs]))
                 turns += routed
@@ -180,11 +217,11 @@ async def _run(args: argparse.Namespace, workdir: Path) -> tuple[list[Row], list
 
 
 def format_report(rows: list[Row]) -> str:
-    table = [("routing", "follow-ups", "warm", "reused", "TTFT p50 ms", "TTFT p90 ms", "requests per node",
-              "max/mean")]
-    table += [(row.routing, str(row.follow_ups), f"{row.warm_rate:.1%}", f"{row.reused_fraction:.1%}",
-               f"{row.ttft_p50_ms:.1f}", f"{row.ttft_p90_ms:.1f}", " ".join(map(str, row.load.values())),
-               f"{row.spread:.2f}") for row in rows]
+    table = [("routing", "follow-ups", "warm", "back to back", "warm", "reused", "TTFT p50 ms", "TTFT p90 ms",
+              "requests per node", "max/mean")]
+    table += [(row.routing, str(row.follow_ups), f"{row.warm_rate:.1%}", str(row.back_to_back),
+               f"{row.warm_back_to_back:.1%}", f"{row.reused_fraction:.1%}", f"{row.ttft_p50_ms:.1f}",
+               f"{row.ttft_p90_ms:.1f}", " ".join(map(str, row.load.values())), f"{row.spread:.2f}") for row in rows]
     return columns(table, left=1)
 
 
@@ -194,6 +231,9 @@ def goals(rows: list[Row]) -> list[tuple[str, bool]]:
         if row.routing == "warm":
             checks.append((f"warm bias: at least {WARM_GOAL:.0%} of follow-up turns land warm ({row.warm_rate:.1%})",
                            row.warm_rate >= WARM_GOAL))
+            checks.append((f"warm bias: at least {WARM_GOAL:.0%} of back-to-back follow-ups land warm "
+                           f"({row.warm_back_to_back:.1%} of {row.back_to_back})",
+                           row.back_to_back > 0 and row.warm_back_to_back >= WARM_GOAL))
             checks.append((f"warm bias: no node above {SPREAD_GOAL}x the mean load ({row.spread:.2f}x)",
                            row.spread <= SPREAD_GOAL))
     return checks
@@ -215,21 +255,29 @@ def run_route_bench(args: argparse.Namespace) -> int:
     write_json(Path(args.out), {
         "settings": {name: value for name, value in vars(args).items() if name != "func"},
         "rows": [{"routing": row.routing, "follow_ups": row.follow_ups, "warm_rate": row.warm_rate,
+                  "back_to_back": row.back_to_back, "warm_back_to_back": row.warm_back_to_back,
                   "reused_fraction": row.reused_fraction, "ttft_p50_ms": row.ttft_p50_ms,
                   "ttft_p90_ms": row.ttft_p90_ms, "load": row.load, "max_over_mean": row.spread} for row in rows],
         "goals": [{"goal": text, "met": met} for text, met in checks],
-        "turns": [{"routing": t.routing, "caller": t.caller, "turn": t.turn, "provider": t.provider,
-                   "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens, "ttft_ms": t.ttft_ms}
-                  for t in turns]})
+        "turns": [{"routing": t.routing, "caller": t.caller, "turn": t.turn, "back_to_back": t.back_to_back,
+                   "provider": t.provider, "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
+                   "ttft_ms": t.ttft_ms} for t in turns]})
     return 0
 
 
 def add_route_bench(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    route = bench.add_parser("route", help="three local nodes behind a router: warm-hit rate and load spread "
-                             "of multi-turn callers, warm bias against least-loaded and round-robin")
-    route.add_argument("--nodes", type=int, default=3)
+    summary = ("local nodes (--nodes) behind a router: warm-hit rate of multi-turn callers' follow-ups "
+               "(back-to-back ones on their own) and load spread, warm bias against least-loaded and round-robin")
+    route = bench.add_parser("route", help=summary, description=summary)
+    route.add_argument("--nodes", type=int, default=3, help="local nodes behind the router (default: 3)")
     route.add_argument("--callers", type=int, default=20)
     route.add_argument("--turns", type=int, default=4)
+    route.add_argument("--arrival-s", type=float, default=0.25, help="seconds between two callers' first turns")
+    route.add_argument("--paced", type=float, default=0.5,
+                       help="share of the callers that pause before each follow-up; the others (agents) send it "
+                            "as soon as the reply before it ends")
+    route.add_argument("--think-s", type=float, default=2.0,
+                       help="a paced caller's pause before a follow-up, drawn between half and 1.5 times this")
     route.add_argument("--systems", type=int, default=3, help="distinct system prompts the callers share")
     route.add_argument("--system-words", type=int, default=150)
     route.add_argument("--new-tokens", type=int, default=8)

@@ -26,6 +26,7 @@ from policies.requirements import RequirementHeaderError, merge, requirements_fr
 from router.callers import CallerKeys, RouterCaller
 from router.edge import coding_refusal, read_within
 from router.errors import (
+    GenerationNotFound,
     InvalidRequest,
     ModelNotFound,
     NoProviderAvailable,
@@ -36,9 +37,13 @@ from router.errors import (
     Unauthenticated,
     UnsupportedMediaType,
 )
-from router.forward import CALLER_HEADER, Forwarded, ProviderFailed, forward, requirement_headers
+from router.forward import CALLER_HEADER, PROVIDER_HEADER, Forwarded, ProviderFailed, forward, requirement_headers
+from router.generations import Generation, find_generation, record_id
+from router.jsonrpc import Params
 from router.providers import RouterConfig
 from router.registry import Registry
+from router.rpc import answer as rpc_answer
+from router.rpc import check_body
 from router.selection import ROUTINGS, rotate, select
 from router.summaries import request_prefix_forms
 
@@ -59,6 +64,7 @@ STATUS: dict[type[RouterError], int] = {
     InvalidRequest: 400,
     Unauthenticated: 401,
     ModelNotFound: 404,
+    GenerationNotFound: 404,
     RequestTimeout: 408,
     RequirementNotMet: 412,
     UnsupportedMediaType: 415,
@@ -113,6 +119,14 @@ def _caller(request: web.Request) -> RouterCaller:
     return request.app[KEYS].caller_for(authorization[0] if authorization else None)
 
 
+async def _body(request: web.Request) -> bytes:
+    limit = request.app[CONFIG].settings.body_timeout_s
+    try:
+        return await read_within(request, limit)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {limit:g} s") from None
+
+
 def _model_and_forms(body: bytes, chat: bool) -> tuple[str, list[bytes]]:
     try:
         parsed: Any = json.loads(body)
@@ -133,11 +147,7 @@ async def _complete(request: web.Request, path: str, chat: bool) -> web.StreamRe
     except RequirementHeaderError as exc:
         raise InvalidRequest(str(exc), param=exc.header, code="invalid_requirement_header") from exc
     requirements = merge(caller.requirements, requested)
-    limit = request.app[CONFIG].settings.body_timeout_s
-    try:
-        body = await read_within(request, limit)
-    except TimeoutError:
-        raise RequestTimeout(f"the request body did not arrive within {limit:g} s") from None
+    body = await _body(request)
     if len(body) > OFF_LOOP_BYTES:
         model, forms = await asyncio.to_thread(_model_and_forms, body, chat)
     else:
@@ -179,6 +189,35 @@ async def models(request: web.Request) -> web.Response:
         for model in request.app[REGISTRY].models()]})
 
 
+async def _generation(request: web.Request, caller: RouterCaller, value: object) -> Generation:
+    return await find_generation(request.app[REGISTRY], request.app[SESSION],
+                                 request.app[CONFIG].settings.connect_timeout_s, request.app[CONFIG].providers,
+                                 caller.name, record_id(value))
+
+
+async def generation(request: web.Request) -> web.Response:
+    """The caller's own signed record of one completion, as the provider that served it keeps it."""
+    found = await _generation(request, _caller(request), request.query.get("id"))
+    return web.Response(body=found.body, content_type="application/json", headers={PROVIDER_HEADER: found.provider})
+
+
+async def rpc(request: web.Request) -> web.Response:
+    """JSON-RPC (`router.rpc`): a refused key refuses each call, as at a node, rather than the request."""
+    check_body(request)
+    caller: RouterCaller | None = None
+    refused: Unauthenticated | None = None
+    try:
+        caller = _caller(request)
+    except Unauthenticated as exc:
+        refused = exc
+
+    async def get_generation(params: Params) -> Any:
+        assert caller is not None  # a refused key refuses every call first
+        return (await _generation(request, caller, params.get("id"))).record
+
+    return await rpc_answer(await _body(request), {"tenzro_getGeneration": (get_generation, ("id",))}, refused)
+
+
 async def health(request: web.Request) -> web.Response:
     """That the router serves, and how many of its providers are up; no key needed."""
     states = [request.app[REGISTRY].state(spec.name) for spec in request.app[CONFIG].providers]
@@ -211,5 +250,7 @@ def create_app(config: RouterConfig, routing: str = "warm") -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/generation", generation)
+    app.router.add_post("/rpc", rpc)
     app.router.add_get("/health", health)
     return app

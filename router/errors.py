@@ -53,6 +53,14 @@ class ModelNotFound(RouterError):
     default_code = "model_not_found"
 
 
+class GenerationNotFound(RouterError):
+    """No provider shows this caller a generation with this id: the node's answer for an unknown id and for another
+    caller's alike, with the node's message, so that the router's callers cannot probe ids either."""
+
+    kind = "not_found_error"
+    default_code = "generation_not_found"
+
+
 class RequirementNotMet(RouterError):
     """No provider that serves the model meets the caller's requirements; `param` names the requirement that
     eliminated the last ones (`trust_tier`, `confidential_hardware`, `jurisdiction`, `max_price_wei.CLASS`)."""

@@ -145,8 +145,14 @@ def _last(chunk: bytes, relayed: int, upstream: aiohttp.ClientResponse) -> bool:
 async def forward(registry: Registry, session: aiohttp.ClientSession, spec: ProviderSpec, forwarded: Forwarded,
                   settings: RouterSettings, client: web.Request) -> web.StreamResponse:
     """Send the request to one provider and relay its answer to the client. Raises ProviderFailed (nothing sent
-    to the client; the provider marked down or polled again as its failure says), or ProviderBroke."""
-    registry.sent(spec.name)
+    to the client; the provider marked down or polled again as its failure says), or ProviderBroke. The request
+    counts as the provider's load until this returns or raises (`Registry.in_flight`)."""
+    with registry.in_flight(spec.name):
+        return await _relay(registry, session, spec, forwarded, settings, client)
+
+
+async def _relay(registry: Registry, session: aiohttp.ClientSession, spec: ProviderSpec, forwarded: Forwarded,
+                 settings: RouterSettings, client: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     try:
         upstream, first = await _open(session, spec, forwarded, settings)

@@ -2,19 +2,27 @@
 tier, evidence), load, latency and verified summaries per model.
 
 Every poll asks each provider for `GET /health` (with the router's key: the node then adds its queue's
-depth), `GET /v1/node` and, per model, `GET /v1/cache/summary`. A provider is up once its health and its
-node document have answered, and down from the first failure, a poll's or a forwarded request's, until a poll
-finds it answering again. A summary that cannot be fetched or verified leaves the provider up but cold.
+depth and its running requests), `GET /v1/node` and, per model, `GET /v1/cache/summary`. A provider is up once its
+health and its node document have answered, and down from the first failure, a poll's or a forwarded request's,
+until a poll finds it answering again. A summary that cannot be fetched or verified leaves the provider up but cold.
+
+A provider's load is its requests in flight: those of this router, counted from the moment it forwards one until
+the answer has ended (or failed, or its client went away), plus the others the node held at the last poll (its
+waiting and running requests less this router's then in flight). A finished request stops counting at once:
+counted until the next poll, it pushed an agent's next turn, sent as soon as the reply ends, off the node holding
+its conversation.
 
 This is the router's only state, and all of it is a cache of what the nodes say (plus the latency this router
-measured), so routers can run side by side and be restarted at will.
+measured and the requests it has in flight), so routers can run side by side and be restarted at will.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -31,9 +39,12 @@ from router.summaries import VerifiedSummary, WarmView, verify_summary
 log = logging.getLogger(__name__)
 
 LATENCY_WEIGHT = 0.3
+"""The weight of the newest measurement in the latency EWMA: about the last few requests count."""
 SUMMARY_REFRESH_S = 1.0
 """The most an answer's end waits for the serving node's new summary."""
-"""The weight of the newest measurement in the latency EWMA: about the last few requests count."""
+HEALTH_COUNTS = ("waiting", "running")
+"""The requests a node's `/health` says it holds, for a router key: queued, and in its running batch. A node that
+leaves one out holds none of that kind as far as the router can tell."""
 POLL_FAILURES = (aiohttp.ClientError, TimeoutError, OSError, ValueError)
 """What a poll request can fail with: the network, a status or body that is not the node's (ValueError covers
 JSON that does not parse and documents that do not validate)."""
@@ -50,10 +61,13 @@ class ProviderState:
     up: bool = False
     problem: str | None = "not polled yet"
     """Why the provider is down; None while it is up."""
-    waiting: int = 0
-    """Requests waiting in the node's queue at the last poll."""
-    sent_since_poll: int = 0
-    """Requests this router sent there since: load the next poll will show, counted until it does."""
+    others: int = 0
+    """Requests the node held at the last poll, waiting or running, that were not this router's then in flight:
+    other routers' and direct callers' load, as of that poll."""
+    in_flight: int = 0
+    """This router's requests there now, from forwarding to the end of the answer."""
+    last_sent: int = 0
+    """The number of the request this router last sent there (requests counted from 1 as sent); 0 for none."""
     latency_s: float | None = None
     summaries: dict[str, VerifiedSummary] = field(default_factory=dict)
 
@@ -69,6 +83,7 @@ class Registry:
         self._timeout = aiohttp.ClientTimeout(total=settings.connect_timeout_s)
         self._interval_s = settings.poll_interval_s
         self._refreshing: dict[str, asyncio.Task[None]] = {}
+        self._sent = itertools.count(1)
 
     def state(self, name: str) -> ProviderState:
         return self._states[name]
@@ -97,12 +112,13 @@ class Registry:
         spec = state.spec
         try:
             health = await self._get_json(spec, "/health", keyed=True)
+            ours = state.in_flight  # as the node counted them: read before anything else is awaited
             node = parse_node_info(await self._get_json(spec, "/v1/node", keyed=False), spec.declared)
             if not isinstance(health, dict) or health.get("status") != "ok":
                 raise PollFailed("/health does not say ok")
-            waiting = health.get("waiting", 0)
-            if type(waiting) is not int or waiting < 0:
-                raise PollFailed("/health's 'waiting' is not a count")
+            held = [health.get(name, 0) for name in HEALTH_COUNTS]
+            if any(type(count) is not int or count < 0 for count in held):
+                raise PollFailed(f"/health's {' and '.join(map(repr, HEALTH_COUNTS))} are not counts")
         except (PollFailed, NodeInfoError) as exc:
             self.mark_down(spec.name, str(exc))
             return
@@ -113,7 +129,10 @@ class Registry:
         if not state.up:
             log.info("provider %s (providers[%d]) is up", spec.name, self._index[spec.name])
         state.node, state.up, state.problem = node, True, None
-        state.waiting, state.sent_since_poll = waiting, 0
+        # A request of ours the node has not received yet, or has answered while the router still relays the
+        # end, is subtracted without having been counted: the floor keeps that an undercount of others' load,
+        # never a negative one. Counting ours twice is what the subtraction is for.
+        state.others = max(0, sum(held) - ours)
         state.summaries = {model: summary for model, summary in zip(spec.models, found, strict=True)
                            if summary is not None}
 
@@ -161,8 +180,17 @@ class Registry:
             log.warning("provider %s (providers[%d]) is down: %s", name, self._index[name], problem)
         state.up, state.problem, state.summaries = False, problem, {}
 
-    def sent(self, name: str) -> None:
-        self._states[name].sent_since_poll += 1
+    @contextmanager
+    def in_flight(self, name: str) -> Iterator[None]:
+        """Count a request forwarded to `name` as its load for as long as this block runs: however it ends (an
+        answer, a failure, the client going away cancels it), the count comes down exactly once."""
+        state = self._states[name]
+        state.in_flight += 1
+        state.last_sent = next(self._sent)
+        try:
+            yield
+        finally:
+            state.in_flight -= 1
 
     def observe_latency(self, name: str, seconds: float) -> None:
         state = self._states[name]
@@ -179,7 +207,7 @@ class Registry:
         up = [(state, state.node) for state in serving if state.up and state.node is not None]
         if not up:
             raise NoProviderAvailable(f"every provider of the model {model!r} is down; retry in a few seconds")
-        return [Candidate(state.spec.name, node.offer, node.trust_tier, state.waiting + state.sent_since_poll,
+        return [Candidate(state.spec.name, node.offer, node.trust_tier, state.others + state.in_flight,
                           state.latency_s, WarmView(state.summaries[model], state.spec.api_key, caller)
-                          if model in state.summaries else None)
+                          if model in state.summaries else None, state.last_sent)
                 for state, node in up]

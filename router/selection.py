@@ -16,7 +16,10 @@ Pure: the candidates come in as values (what the registry last heard from each n
 
    A candidate best in both scores 1.0; price and speed weigh the same, so one 44% pricier but no slower, or
    20% worse in both, scores 1.2. A candidate not yet measured counts the median latency of those measured
-   (1 s if none is). Ties go to the name, so two routers that heard the same from the nodes choose alike.
+   (1 s if none is). Ties go to the candidate this router sent a request to longest ago, then to the name: idle
+   comparable providers take turns rather than the first name taking every cold request (when finished requests
+   stop counting as load, equal scores are the common case of a fleet that keeps up), and two routers that
+   heard the same from the nodes and have sent nothing yet choose alike.
 3. Warm bias. Among the candidates whose base score is within MARGIN (20%) of the best, the one whose summary
    holds the deepest prefix of the request wins, ties going to the better base score. Warm state saves the
    caller a prefill and is billed at the cached-read price, but it never overrides a constraint, and it never
@@ -68,11 +71,15 @@ class Candidate:
     offer: Offer
     trust_tier: str
     load: int
-    """Requests ahead of ours: the node's queue at the last poll plus those sent there since."""
+    """Requests ahead of ours: those in flight there (`router.registry`: this router's now, others' as of the
+    last poll); one that has ended counts no more."""
     latency_s: float | None
     """The router's EWMA of this provider's time to first byte; None before its first answer."""
     warm: Warm | None = None
     """Its summary as this caller's requests test it; None without a verified summary."""
+    last_sent: int = 0
+    """When this router last sent it a request, as a count of the requests it has sent (0: never): the order of
+    candidates whose base scores tie."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +139,7 @@ def select(candidates: Sequence[Candidate], requirements: CallerRequirements, mi
     no candidate meets the hard constraints."""
     qualified = eligible(candidates, requirements, min_trust_tier)
     scores = base_scores(qualified)
-    ranked = sorted(qualified, key=lambda candidate: (scores[candidate.name], candidate.name))
+    ranked = sorted(qualified, key=lambda candidate: (scores[candidate.name], candidate.last_sent, candidate.name))
     chosen, depth = ranked[0], 0
     if warm_bias and forms:
         ceiling = scores[ranked[0].name] * (1 + MARGIN)

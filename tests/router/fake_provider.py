@@ -43,6 +43,8 @@ class FakeProvider:
     evidence_type: str = "none"
     trusted: bool = False
     waiting: int = 0
+    running: int = 0
+    """Completions it is answering now, as its `/health` reports them to the router."""
     healthy: bool = True
     mode: str = "ok"
     boot_id: str = "boot-1"
@@ -54,6 +56,8 @@ class FakeProvider:
     gate: asyncio.Event | None = None
     """When set, a stream waits on it after its first chunk: the test sees that chunk arrive before the rest."""
     key: Ed25519PrivateKey = field(default_factory=lambda: Ed25519PrivateKey.from_private_bytes(bytes(32)))
+    records: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    """(Tenzro-Caller id, completion id) to the record `GET /v1/generation` shows that caller of the router."""
 
     @property
     def public_key(self) -> bytes:
@@ -96,7 +100,7 @@ class FakeProvider:
         body: dict[str, Any] = {"status": "ok", "model": MODEL}
         if "Authorization" in request.headers:
             self._router_only(request)
-            body.update({"waiting": self.waiting, "max_queue": 64})
+            body.update({"waiting": self.waiting, "max_queue": 64, "running": self.running})
         return web.json_response(body)
 
     async def node(self, request: web.Request) -> web.Response:
@@ -106,7 +110,24 @@ class FakeProvider:
         self._router_only(request)
         return web.json_response(self.summary_document(request.query["model"]))
 
+    async def generation(self, request: web.Request) -> web.Response:
+        self.received.append(Received(request.path_qs, dict(request.headers), b""))
+        self._router_only(request)
+        record = self.records.get((request.headers.get("Tenzro-Caller", ""), request.query.get("id", "")))
+        if record is None:
+            return web.json_response({"error": {"message": "no generation with this id for this API key",
+                                                "type": "not_found_error", "param": "id",
+                                                "code": "generation_not_found"}}, status=404)
+        return web.json_response(record)
+
     async def complete(self, request: web.Request) -> web.StreamResponse:
+        self.running += 1
+        try:
+            return await self._complete(request)
+        finally:
+            self.running -= 1
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
         self.received.append(Received(request.path, dict(request.headers), await request.read()))
         self._router_only(request)
         try:
@@ -143,6 +164,7 @@ class FakeProvider:
         app.router.add_get("/v1/cache/summary", self.summary)
         app.router.add_post("/v1/chat/completions", self.complete)
         app.router.add_post("/v1/completions", self.complete)
+        app.router.add_get("/v1/generation", self.generation)
         return app
 
 

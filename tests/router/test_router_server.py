@@ -137,6 +137,59 @@ async def test_latency_is_an_ewma_of_the_time_to_first_byte(fleet: Fleet) -> Non
     assert registry(client).state("a").latency_s == 0.3 * 2.0 + 0.7 * 1.0
 
 
+def loads(client: TestClient) -> dict[str, int]:
+    return {candidate.name: candidate.load for candidate in registry(client).candidates(MODEL, "alice")}
+
+
+async def test_a_request_counts_as_load_once_while_in_flight_and_not_after(fleet: Fleet) -> None:
+    """a has two requests of others waiting. Alice's open stream counts once more, also after a poll in which a
+    reports it running (the node's count less the router's own); the moment it ends it counts no more, with no
+    poll in between (counted until the next poll, it sent an agent's next turn to a cold node)."""
+    gate = asyncio.Event()
+    a = fake("a", gate=gate, waiting=2)
+    client = await fleet.router([a])
+    assert loads(client) == {"a": 2}
+    response = await post(client, chat(stream=True))
+    await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)
+    assert loads(client) == {"a": 3}
+    await registry(client).poll()
+    assert (a.waiting, a.running, loads(client)) == (2, 1, {"a": 3})
+    gate.set()
+    await response.content.read()
+    await eventually(lambda: loads(client) == {"a": 2})
+
+
+async def test_idle_comparable_nodes_take_turns_at_cold_requests(fleet: Fleet) -> None:
+    """Each answered before the next is sent, so no load tells them apart: the one sent to longest ago wins."""
+    client = await fleet.router([fake("a"), fake("b"), fake("c")])
+    assert [await answered_by(client, chat()) for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+async def test_a_request_stops_counting_however_it_ends(fleet: Fleet) -> None:
+    """A node failing before its first byte (the request answered elsewhere), one breaking off mid-stream, and a
+    client going away mid-stream each leave nothing counted in flight at any node."""
+    failing, fallback = fake("failing", mode="500"), fake("fallback", prices=priced(3))
+    client = await fleet.router([failing, fallback])
+    assert await answered_by(client, chat()) == "fallback"
+    assert [registry(client).state(name).in_flight for name in ("failing", "fallback")] == [0, 0]
+
+    client = await fleet.router([fake("breaking", mode="break")])
+    response = await post(client, chat(stream=True))
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await asyncio.wait_for(response.content.read(), 5)
+    await eventually(lambda: registry(client).state("breaking").in_flight == 0)
+
+    gate = asyncio.Event()
+    held = fake("held", gate=gate)
+    client = await fleet.router([held])
+    response = await post(client, chat(stream=True))
+    await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)
+    assert registry(client).state("held").in_flight == 1
+    response.close()  # the client goes away: its handler is cancelled, and the node's connection closed
+    await eventually(lambda: registry(client).state("held").in_flight == 0)
+    await eventually(lambda: held.running == 0)
+
+
 # Failures before and after the first byte
 
 
@@ -347,3 +400,80 @@ async def test_an_oversized_body_is_a_413_in_openai_shape(fleet: Fleet) -> None:
     body = await response.json()
     assert (response.status, body["error"]["type"]) == (413, "invalid_request_error")
 
+
+
+# A caller's own records
+
+
+RECORD = {"object": "generation", "record_id": "chatcmpl-1", "caller_id": "router/alice", "signature": "00" * 64}
+GENERATION_CALL = {"jsonrpc": "2.0", "method": "tenzro_getGeneration", "params": {"id": "chatcmpl-1"}, "id": 1}
+
+
+async def read_generation(client: TestClient, record_id: str, key: str = ALICE_KEY) -> tuple[int, str | None, Any]:
+    response = await client.get("/v1/generation", params={"id": record_id},
+                                headers={"Authorization": f"Bearer {key}"})
+    return response.status, response.headers.get("Tenzro-Provider"), await response.json()
+
+
+async def rpc(client: TestClient, body: Any, key: str | None = ALICE_KEY,
+              content_type: str = "application/json") -> tuple[int, Any]:
+    headers = {"Content-Type": content_type, **({"Authorization": f"Bearer {key}"} if key else {})}
+    response = await client.post("/rpc", data=json.dumps(body).encode(), headers=headers)
+    text = await response.text()
+    return response.status, json.loads(text) if text else None
+
+
+async def test_a_record_is_read_from_the_node_that_holds_it_as_the_routers_caller(fleet: Fleet) -> None:
+    """Every node up is asked, with the router's key there and the caller's id; the one holding the record
+    answers, and the router passes its bytes on naming it. Bob asking for alice's record is told what an unknown
+    id gets, in the node's words."""
+    a, b = fake("a"), fake("b", records={("alice", "chatcmpl-1"): RECORD})
+    client = await fleet.router([a, b])
+    assert await read_generation(client, "chatcmpl-1") == (200, "b", RECORD)
+    for node in (a, b):
+        [received] = node.received
+        assert received.path == "/v1/generation?id=chatcmpl-1"
+        assert (received.headers["Authorization"], received.headers["Tenzro-Caller"]) == (
+            f"Bearer {router_key(node.name)}", "alice")
+    not_found = {"error": {"message": "no generation with this id for this API key", "type": "not_found_error",
+                           "param": "id", "code": "generation_not_found"}}
+    assert await read_generation(client, "chatcmpl-1", BOB_KEY) == (404, None, not_found)
+    assert await read_generation(client, "chatcmpl-2") == (404, None, not_found)
+    assert await rpc(client, GENERATION_CALL) == (200, {"jsonrpc": "2.0", "result": RECORD, "id": 1})
+    assert await rpc(client, GENERATION_CALL, BOB_KEY) == (200, {"jsonrpc": "2.0", "id": 1, "error": {
+        "code": -32004, "message": not_found["error"]["message"], "data": not_found["error"]}})
+
+
+async def test_a_record_that_may_be_on_a_node_down_is_not_called_missing(fleet: Fleet) -> None:
+    """z is down: a record no node up holds may be its, so the caller is told to retry (503), not that it does not
+    exist; a record a node up holds is read as ever."""
+    client = await fleet.router([fake("a", records={("alice", "chatcmpl-1"): RECORD})], dead=("z",))
+    assert await read_generation(client, "chatcmpl-1") == (200, "a", RECORD)
+    status, _, body = await read_generation(client, "chatcmpl-2")
+    assert (status, body["error"]["code"], body["error"]["type"]) == (503, "generation_unavailable", "server_error")
+    assert "z: down" in body["error"]["message"]
+    _, answer = await rpc(client, {**GENERATION_CALL, "params": ["chatcmpl-2"]})
+    assert answer["error"]["code"] == -32005
+
+
+async def test_json_rpc_at_the_router_answers_as_a_node_does(fleet: Fleet) -> None:
+    client = await fleet.router([fake("a", records={("alice", "chatcmpl-1"): RECORD})])
+    refused = await rpc(client, [GENERATION_CALL, {**GENERATION_CALL, "id": 2}], key="tz-wrong")
+    assert [(item["id"], item["error"]["code"], item["error"]["data"]["code"]) for item in refused[1]] == [
+        (1, -32001, "invalid_api_key"), (2, -32001, "invalid_api_key")]
+    notification = {key: value for key, value in GENERATION_CALL.items() if key != "id"}
+    assert await rpc(client, notification) == (204, None)
+    _, answers = await rpc(client, [notification, {**GENERATION_CALL, "method": "tenzro_getAttestation"},
+                                    {**GENERATION_CALL, "params": {"id": 7}}, {**GENERATION_CALL, "params": 7},
+                                    {"jsonrpc": "1.0", "method": "m", "id": 5}])
+    assert [(item["id"], item["error"]["code"]) for item in answers] == [(1, -32601), (1, -32602), (1, -32602),
+                                                                         (5, -32600)]
+    assert answers[0]["error"]["message"] == "no method 'tenzro_getAttestation'; methods: tenzro_getGeneration"
+    assert await rpc(client, [GENERATION_CALL] * 101) == (200, {"jsonrpc": "2.0", "id": None, "error": {
+        "code": -32600, "message": "a batch holds 1 to 100 calls"}})
+    status, body = await rpc(client, GENERATION_CALL, content_type="text/plain")
+    assert (status, body["error"]["code"]) == (415, "unsupported_content_type")
+    for raw, status, code in ((b"{", 200, -32700), (b" " * (256 * 1024 + 1), 413, None)):
+        response = await client.post("/rpc", data=raw, headers={"Content-Type": "application/json"})
+        body = await response.json()
+        assert (response.status, body["error"].get("code")) == (status, code)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import given, settings
@@ -73,6 +73,15 @@ def test_a_free_provider_is_scored_against_one_wei() -> None:
 def test_ties_go_to_the_name_so_that_routers_agree() -> None:
     choice = select([candidate("b"), candidate("a"), candidate("c")], NO_REQUIREMENTS, "standard", [])
     assert choice.order == ("a", "b", "c")
+
+
+def test_ties_go_first_to_the_provider_sent_to_longest_ago() -> None:
+    """Idle comparable providers take turns: with finished requests no longer load, the first name would otherwise
+    take every cold request. A better score still wins whenever it was sent to."""
+    tied = [replace(candidate("a"), last_sent=5), replace(candidate("b"), last_sent=3), candidate("c")]
+    assert select(tied, NO_REQUIREMENTS, "standard", []).order == ("c", "b", "a")
+    cheaper = [replace(candidate("a", 0.9), last_sent=5), replace(candidate("b"), last_sent=3)]
+    assert select(cheaper, NO_REQUIREMENTS, "standard", []).order == ("a", "b")
 
 
 def test_the_deepest_warm_prefix_within_the_margin_wins() -> None:
