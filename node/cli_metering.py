@@ -282,19 +282,26 @@ def format_time_ms(unix_ms: int) -> str:
 
 def run_bill(args: argparse.Namespace) -> int:
     """Verify every segment first: a bill read from a ledger that does not verify proves nothing."""
+    return _verified_report(args, "bill", "cannot bill", lambda since_ms, until_ms: format_bill(
+        bill(args.ledger, args.caller, since_ms, until_ms)))
+
+
+def _verified_report(args: argparse.Namespace, product: str, failure: str,
+                     report: Callable[[int | None, int | None], str]) -> int:
+    """Print `report(since_ms, until_ms)` for `args`' window once every segment verified (`_verify_first`)."""
     try:
         since_ms, until_ms = _window_ms(args)
     except ValueError as exc:
-        print(f"cannot bill: {exc}")
+        print(f"{failure}: {exc}")
         return 1
-    if (verified := _verify_first(args, "bill")) != 0:
+    if (verified := _verify_first(args, product)) != 0:
         return verified
     try:
-        result = bill(args.ledger, args.caller, since_ms, until_ms)
+        text = report(since_ms, until_ms)
     except (OSError, SegmentFormatError, ValueError) as exc:
-        print(f"cannot bill: {exc}")
+        print(f"{failure}: {exc}")
         return 1
-    print(format_bill(result))
+    print(text)
     return 0
 
 
@@ -345,20 +352,8 @@ def _verify_first(args: argparse.Namespace, product: str) -> int:
 
 def run_sla(args: argparse.Namespace) -> int:
     """Verify every segment first: numbers read from a ledger that does not verify prove nothing."""
-    try:
-        since_ms, until_ms = _window_ms(args)
-    except ValueError as exc:
-        print(f"cannot report: {exc}")
-        return 1
-    if (verified := _verify_first(args, "SLA report")) != 0:
-        return verified
-    try:
-        result = sla(args.ledger, args.caller, args.ttft_ms, since_ms, until_ms, args.model)
-    except (OSError, SegmentFormatError, ValueError) as exc:
-        print(f"cannot report: {exc}")
-        return 1
-    print(format_sla(result))
-    return 0
+    return _verified_report(args, "SLA report", "cannot report", lambda since_ms, until_ms: format_sla(
+        sla(args.ledger, args.caller, args.ttft_ms, since_ms, until_ms, args.model)))
 
 
 def _percentile_row(name: str, percentiles: Percentiles | None) -> tuple[str, ...]:
