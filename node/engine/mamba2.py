@@ -46,6 +46,14 @@ listed keep upstream: there a Python loop's per-token launches are unmeasured ag
 """
 
 
+SCAN_CHUNK: dict[str, int] = {"cpu": 128}
+"""Per device type: the most tokens one chunk of upstream's chunked SSD scan holds (a model's larger `chunk_size`
+is lowered to it at load). The chunk size is the algorithm's, not the model's: any size gives the same outputs up
+to float rounding. On the CPU a prefill cut into pieces of 128 tokens (the snapshot grid's spacing, `cache/
+snapshot_policy.py`) padded each piece to a chunk of 256; at 128 nothing is padded, and whole prompts run faster
+too (`scripts/ssd_chunk_ab.py`, RESULTS.md). Devices not listed keep the model's."""
+
+
 @dataclass(frozen=True, slots=True)
 class MixerSpec:
     """What one mixer class does around the shared SSD core."""
@@ -184,5 +192,12 @@ def mixer_forward(mixer: Any, spec: MixerSpec, hidden_states: torch.Tensor, cach
 
 
 def install(model: nn.Module) -> int:
-    """Make every Mamba2-family mixer of `model` run short forwards sequentially; returns how many were patched."""
-    return patch_mixers(model, MIXER_SPECS, mixer_forward)
+    """Make every Mamba2-family mixer of `model` run short forwards sequentially, in scan chunks of at most
+    `SCAN_CHUNK` tokens on its device; returns how many were patched."""
+    patched = patch_mixers(model, MIXER_SPECS, mixer_forward)
+    parameter = next(model.parameters(), None)
+    most = SCAN_CHUNK.get(parameter.device.type) if parameter is not None else None
+    for module in model.modules():
+        if most is not None and type(module) in MIXER_SPECS and module.chunk_size > most:
+            module.chunk_size = most
+    return patched

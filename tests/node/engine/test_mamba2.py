@@ -287,3 +287,18 @@ def test_other_mamba2_mixers_continue_exactly(build: Callable[[], Any], mixers: 
     got = prefill(twins.patched, ids, 0, twins.new_cache(), [A_LEN, 1, 3, 3])
     assert relative_error(got, twins.reference(ids)) < TOLERANCE
     assert scans == [6] * mixers + [1] * mixers + [3] * mixers + [3] * mixers
+
+
+def test_install_lowers_a_large_scan_chunk_on_the_cpu_and_the_outputs_stay(model_dirs: dict[str, Path]) -> None:
+    # A model's chunk_size is the chunked scan's, not the model's: 128 on the CPU (scripts/ssd_chunk_ab.py).
+    pair = Pair(MIXERS["granite-moe-hybrid"], lambda: load_model("g", model_dirs["granite-moe-hybrid"]).model)
+    for model in (pair.patched, pair.upstream):
+        for module in model.modules():
+            if type(module) in mamba2.MIXER_SPECS:
+                module.chunk_size = 256
+    mamba2.install(pair.patched)
+    assert {m.chunk_size for m in pair.patched.modules() if type(m) in mamba2.MIXER_SPECS} == {128}
+    ids = tokens(5, 300)
+    assert relative_error(forward(pair.patched, ids, 0, None), pair.reference(ids)) <= TOLERANCE
+    small = load_model("g", model_dirs["granite-moe-hybrid"]).model
+    assert {m.chunk_size for m in small.modules() if type(m) in mamba2.MIXER_SPECS} == {CHUNK}  # 16: kept
