@@ -11,6 +11,7 @@ runner remembers them with the stored state for the router's summaries. Other ca
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from cache.arena import Scope
@@ -89,8 +90,7 @@ class ModelService:
         plain = [{"role": m.role, "content": m.content} for m in messages]
         replies = None
         if caller is not None:
-            scope, book = Scope(caller=caller, model=self.model_id), self.runner.replies
-            replies = lambda content: book.recall(scope, content)  # noqa: E731
+            replies = functools.partial(self.runner.replies.recall, Scope(caller=caller, model=self.model_id))
         try:
             rendered = render_chat(self.loaded.tokenizer, plain, fits=self.loaded.context_length - 1,
                                    replies=replies)

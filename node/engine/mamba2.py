@@ -197,7 +197,8 @@ def install(model: nn.Module) -> int:
     patched = patch_mixers(model, MIXER_SPECS, mixer_forward)
     parameter = next(model.parameters(), None)
     most = SCAN_CHUNK.get(parameter.device.type) if parameter is not None else None
-    for module in model.modules():
-        if most is not None and type(module) in MIXER_SPECS and module.chunk_size > most:
-            module.chunk_size = most
+    mixers: list[Any] = [module for module in model.modules() if type(module) in MIXER_SPECS]
+    for mixer in mixers:
+        if most is not None and mixer.chunk_size > most:
+            mixer.chunk_size = most
     return patched
