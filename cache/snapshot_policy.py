@@ -44,8 +44,8 @@ class SnapshotPolicy:
     """Models whose layers all keep spans resume at any covered position, not only at snapshots."""
     min_gap: int = 16
     """A position closer than this to a kept one is dropped: a divergence between the two then costs at most this
-    many tokens, while every cut costs a forward pass of its own (on a 64 M hybrid on one CPU thread a 207-token
-    prefill took 299 ms in one pass and 396 ms cut as 10 + 18 + 174 + 5)."""
+    many tokens, while every cut costs a forward pass of its own (a 207-token prefill of a 64 M hybrid cut as
+    10 + 18 + 174 + 5 took a third longer than in one pass)."""
 
     @classmethod
     def named(cls, name: str, interval: int = 128) -> SnapshotPolicy:
