@@ -19,7 +19,7 @@ import random
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,6 @@ from typing import Any
 import aiohttp
 import yaml
 
-from bench.chat import chat_ids, load_tokenizer
 from bench.client import BenchError, Client, Messages, Streamed, add_server_arguments, api_base, open_session
 from bench.local_node import LocalNode, model_dir
 from bench.prompts import SEED, PromptSource
@@ -105,7 +104,7 @@ class Mode:
     budget_bytes: int = 0
     """Node and caller cache budget; 0 keeps the config's default."""
     primed: bool = False
-    """The oracle: before each request, an untimed request leaves a snapshot where the prompt diverges."""
+    """The oracle: before each request, an untimed request leaves a resume point where the prompt diverges."""
 
 
 OURS = Mode("ours")
@@ -214,27 +213,37 @@ def _reply(streamed: Streamed, base: str) -> Reply:
                  usage.get("matched_tokens"), usage.get("server_ttft_ms"))
 
 
-Renderer = Callable[[Messages], list[int]]
+Primer = Sequence[tuple[Sample, tuple[int, ...]]]
+"""The `ours` run's samples, each with its request's prompt ids as that node computed them."""
 
 
-async def _drive(client: Client, workload: AgentWorkload, mode: Mode,
-                 primer: tuple[Renderer, Sequence[Sample]] | None = None) -> list[Sample]:
+async def _drive(client: Client, workload: AgentWorkload, mode: Mode, primer: Primer | None = None,
+                 prompt_ids: list[tuple[int, ...]] | None = None) -> list[Sample]:
     """Run the workload once; with `primer` (the oracle), prime each request at the `ours` run's matched
-    tokens first."""
+    tokens first; with `prompt_ids`, collect each request's prompt ids there (the node's own rendering, with
+    its replies as their generated ids: a local rendering cannot know those)."""
     samples: list[Sample] = []
     for episode in range(workload.episodes):
         messages = workload.opening(episode)
         for step in range(workload.steps):
             target = None
             if primer is not None:
-                render, ours = primer
-                ids, target = render(messages), ours[len(samples)].matched_tokens
-                if len(ids) != ours[len(samples)].prompt_tokens or target is None:
-                    raise BenchError(f"rendering the chat locally gave {len(ids)} tokens, the node counted "
-                                     f"{ours[len(samples)].prompt_tokens}: the oracle cannot be primed")
+                ours, ids = primer[len(samples)]
+                target = ours.matched_tokens
+                if target is None:
+                    raise BenchError("the `ours` node reported no matched tokens: the oracle cannot be primed")
                 if target:
-                    await client.complete(ids[:target])  # untimed: leaves a snapshot at exactly `target`
-            reply = _reply(await client.chat(messages, MAX_TOKENS), client.base)
+                    # Untimed: leaves a resume point at exactly `target`. The node's is one token before a prompt's
+                    # end (where an identical prompt resumes), so the primer is one token longer, and that token
+                    # differs from the request's: nothing past `target` agrees with it.
+                    other = ids[target] - 1 if ids[target] > 0 else 1
+                    await client.complete([*ids[:target], other])
+            streamed = await client.chat(messages, MAX_TOKENS, token_ids=prompt_ids is not None)
+            if prompt_ids is not None:
+                if streamed.prompt_ids is None:
+                    raise BenchError("the node returned no prompt token ids: the oracle cannot be primed")
+                prompt_ids.append(streamed.prompt_ids)
+            reply = _reply(streamed, client.base)
             samples.append(Sample(mode.name, episode, step, workload.edited(episode, step), reply.prompt_tokens,
                                   reply.cached_tokens, reply.ttft_s * 1000.0, reply.completion_tokens, reply.text,
                                   reply.server_ttft_ms, reply.matched_tokens, reply.written_tokens, target))
@@ -259,8 +268,8 @@ def _memory(samples: Sequence[Sample], baseline: dict[str, float], final: dict[s
 
 
 async def _local_mode(session: aiohttp.ClientSession, args: argparse.Namespace, model: Path, workdir: Path,
-                      mode: Mode, workload: AgentWorkload, primer: tuple[Renderer, Sequence[Sample]] | None = None
-                      ) -> tuple[str, list[Sample], SnapshotMemory]:
+                      mode: Mode, workload: AgentWorkload, primer: Primer | None = None,
+                      prompt_ids: list[tuple[int, ...]] | None = None) -> tuple[str, list[Sample], SnapshotMemory]:
     """One mode on its own fresh node; returns (model id, samples, memory held at the end)."""
     workdir.mkdir()
     node = LocalNode(workdir, str(model), args.threads, args.device, mode.flags)
@@ -275,19 +284,11 @@ async def _local_mode(session: aiohttp.ClientSession, args: argparse.Namespace, 
             client = await node.client(session)
             await client.complete(PromptSource(SEED).prefix(WARMUP_TOKENS))  # untimed; shares no token with chats
             baseline = await client.metrics(operator_key)
-            samples = await _drive(client, workload, mode, primer)
+            samples = await _drive(client, workload, mode, primer, prompt_ids)
             memory = _memory(samples, baseline, await client.metrics(operator_key))
     except BenchError as exc:
         raise BenchError(f"mode {mode.name}: {exc}") from exc
     return client.model, samples, memory
-
-
-def _renderer(model: Path) -> Renderer:
-    """The chat's token ids as the node renders them, from the model's tokenizer here."""
-    tokenizer = load_tokenizer(model)
-    if tokenizer is None:
-        raise BenchError(f"{model} has no tokenizer: the oracle cannot be primed")
-    return lambda messages: chat_ids(tokenizer, messages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,10 +303,12 @@ async def _run_local(args: argparse.Namespace, workload: AgentWorkload, workdir:
     model = model_dir(args.model, workdir / "models")  # every mode's node serves this one directory
     samples: list[Sample] = []
     async with open_session() as session:
-        model_id, ours, memory = await _local_mode(session, args, model, workdir / OURS.name, OURS, workload)
+        ids: list[tuple[int, ...]] = []
+        model_id, ours, memory = await _local_mode(session, args, model, workdir / OURS.name, OURS, workload,
+                                                   prompt_ids=ids)
         samples += ours
         for mode in modes[1:]:
-            primer = (_renderer(model), ours) if mode.primed else None
+            primer = list(zip(ours, ids, strict=True)) if mode.primed else None
             samples += (await _local_mode(session, args, model, workdir / mode.name, mode, workload, primer))[1]
     settings = Settings(None, model_id, args.threads, args.device, args.episodes, args.steps, MAX_TOKENS,
                         EDIT_FRACTION, SEED, args.budget_mib, tuple(m.name for m in modes))

@@ -72,6 +72,8 @@ class Streamed:
     """The response's headers (a router's `Tenzro-Provider` says which node served)."""
     arrivals_s: tuple[float, ...] = ()
     """When each event carrying text arrived, in seconds from sending the request."""
+    prompt_ids: tuple[int, ...] | None = None
+    """The prompt's token ids as the server computed them, when asked for (`return_token_ids`)."""
 
     def timing(self) -> Timing:
         details = self.usage.get("prompt_tokens_details") or {}
@@ -144,6 +146,7 @@ class Client:
         parts: list[str] = []
         arrivals: list[float] = []
         usage: dict[str, Any] = {}
+        prompt_ids: tuple[int, ...] | None = None
         done = False
         started = time.perf_counter()
         async with self._request("POST", self.base + path, json=body) as response:
@@ -170,11 +173,13 @@ class Client:
                         parts.append(text)
                         arrivals.append(arrived)
                 usage = event.get("usage") or usage
+                if "prompt_token_ids" in event:
+                    prompt_ids = tuple(int(t) for t in event["prompt_token_ids"])
         if not done:
             raise BenchError(f"POST {self.base}{path}: the stream ended before [DONE]")
         if ttft is None:
             raise BenchError(f"POST {self.base}{path} streamed no generated text")
-        return Streamed(ttft, "".join(parts), usage, headers, tuple(arrivals))
+        return Streamed(ttft, "".join(parts), usage, headers, tuple(arrivals), prompt_ids)
 
     def _greedy(self, max_tokens: int) -> dict[str, Any]:
         return {"model": self.model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -184,9 +189,11 @@ class Client:
         """A text completion of one token on token ids: its TTFT and usage."""
         return (await self.stream("/completions", {**self._greedy(1), "prompt": prompt})).timing()
 
-    async def chat(self, messages: Messages, max_tokens: int = 1) -> Streamed:
-        """A streamed chat completion."""
-        return await self.stream("/chat/completions", {**self._greedy(max_tokens), "messages": messages})
+    async def chat(self, messages: Messages, max_tokens: int = 1, token_ids: bool = False) -> Streamed:
+        """A streamed chat completion; `token_ids`: ask for the prompt's ids as the server computed them (this
+        node's and vLLM's `return_token_ids`)."""
+        body = {**self._greedy(max_tokens), "messages": messages}
+        return await self.stream("/chat/completions", {**body, "return_token_ids": True} if token_ids else body)
 
 
 def _bearer(api_key: str | None) -> dict[str, str]:

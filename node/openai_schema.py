@@ -307,9 +307,8 @@ def _common(body: Any, known: frozenset[str]) -> CommonParams:
                               "'stream_options.include_obfuscation' may only be false",
                               param="stream_options.include_obfuscation", code="unsupported_parameter")
     return_ids = body.get("return_token_ids", False)
-    if not isinstance(return_ids, bool) or (return_ids and stream):
-        raise invalid_request("'return_token_ids' must be true or false, and is supported without 'stream' only",
-                              param="return_token_ids")
+    if not isinstance(return_ids, bool):
+        raise invalid_request("'return_token_ids' must be true or false", param="return_token_ids")
     max_tokens = _optional_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_tokens", 1)

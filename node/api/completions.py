@@ -198,7 +198,7 @@ async def _respond(request: web.Request, service: ModelService, caller: Caller, 
                                    Completion(shape.id, caller.name, service.model_id))
     try:
         if response is not None:
-            return await _stream(request, response, job, params, shape)
+            return await _stream(request, response, job, params, shape, prompt.ids)
         while True:
             event = await _next_event(job)
             if isinstance(event, Finished):
@@ -221,8 +221,9 @@ async def _send(response: web.StreamResponse, payload: dict[str, Any] | str) -> 
 
 
 async def _stream(request: web.Request, response: web.StreamResponse, job: MeteredJob, params: CommonParams,
-                  shape: Shape) -> web.StreamResponse:
-    """The job's events as server-sent events on the prepared `response`."""
+                  shape: Shape, prompt_ids: list[int]) -> web.StreamResponse:
+    """The job's events as server-sent events on the prepared `response`. With `return_token_ids` the chunk that
+    carries the finish reason also carries the prompt's and the reply's token ids, whole."""
     while True:
         try:
             event = await _next_event(job)
@@ -234,7 +235,11 @@ async def _stream(request: web.Request, response: web.StreamResponse, job: Meter
             job.job.first_written.set()
         elif isinstance(event, Finished):
             _observe(request, event.result)
-            await _send(response, shape.chunk(None if shape.chat else "", _finish_reason(event.result)))
+            last = shape.chunk(None if shape.chat else "", _finish_reason(event.result))
+            if params.return_token_ids:
+                last["prompt_token_ids"] = prompt_ids
+                last["choices"][0]["token_ids"] = event.result.output_ids
+            await _send(response, last)
             if params.include_usage:
                 assert job.record is not None
                 await _send(response, shape.usage_chunk(job.record, event.result))

@@ -304,3 +304,18 @@ def test_refuses_to_start_on_a_directory_that_is_not_a_model(tmp_path: Path, bad
                     env={"TENZRO_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 2
     assert "is not a Hugging Face model directory: it has no config.json" in result.stderr
+
+
+def test_a_stream_returns_its_prompt_and_reply_ids_with_its_finish_reason(node_factory, small_model_dir: Path) -> None:
+    node = node_factory(small_model_dir)
+    c, model = client(node, node.add_key("alice")), small_model_dir.name
+    messages = [{"role": "user", "content": "Count the tides."}]
+    plain = c.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    chunks = list(c.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0, stream=True,
+                                            extra_body={"return_token_ids": True}))
+    last = next(chunk for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason)
+    assert (last.model_extra or {})["prompt_token_ids"] == (plain.model_extra or {})["prompt_token_ids"]
+    assert (last.choices[0].model_extra or {})["token_ids"] == (plain.choices[0].model_extra or {})["token_ids"]
+    assert all("token_ids" not in (chunk.choices[0].model_extra or {}) for chunk in chunks
+               if chunk.choices and chunk is not last)
