@@ -27,9 +27,9 @@ def test_an_architecture_name_is_built_by_models_init(tmp_path: Path) -> None:
 
 
 def test_an_unknown_model_says_what_to_pass(tmp_path: Path) -> None:
-    with pytest.raises(BenchError, match=r"(?s)^--model 'no-such-arch' is neither a model directory nor an architecture "
-                                         r"name: 'tenzro models init --arch no-such-arch .*' failed: .*argument "
-                                         r"--arch: invalid choice: 'no-such-arch'"):
+    with pytest.raises(BenchError, match=r"(?s)^--model 'no-such-arch' is neither a model directory nor an "
+                                         r"architecture name: 'tenzro models init --arch no-such-arch .*' failed: "
+                                         r".*argument --arch: invalid choice: 'no-such-arch'"):
         model_dir("no-such-arch", tmp_path)
 
 
