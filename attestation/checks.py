@@ -51,15 +51,21 @@ class Expectations:
 
 
 def check_key_binding(report_data: bytes, evidence: Evidence) -> Check:
-    """The hardware-signed report_data must bind the document's public key and nonce."""
-    expected = report_data_for(evidence.public_key, evidence.nonce)
+    """The hardware-signed report_data must bind the document's public key, nonce and (v2) bound values.
+
+    report_data is a digest, so a mismatch cannot say which value differs: the message names them all.
+    """
+    expected = report_data_for(evidence.public_key, evidence.nonce, evidence.bound)
+    bound = "" if evidence.bound is None else f", {evidence.bound.describe()}"
     if not hmac.compare_digest(report_data, expected):
+        binding, made_for = ("binding", "another key or nonce") if evidence.bound is None else (
+            "binding v2", "another key, TLS certificate, code, model set or nonce")
         raise VerificationError(
             "key-binding-mismatch",
-            f"report_data is {report_data.hex()}, the binding of public key {evidence.public_key.hex()} and "
-            f"nonce {evidence.nonce.hex()} is {expected.hex()}: the report was made for another key or nonce",
+            f"report_data is {report_data.hex()}, the {binding} of public key {evidence.public_key.hex()}"
+            f"{bound} and nonce {evidence.nonce.hex()} is {expected.hex()}: the report was made for {made_for}",
         )
-    return Check("key binding", f"report_data binds public key {evidence.public_key.hex()} and the nonce")
+    return Check("key binding", f"report_data binds public key {evidence.public_key.hex()}{bound} and the nonce")
 
 
 def check_nonce(evidence: Evidence, expected: bytes | None) -> Check:
@@ -95,7 +101,7 @@ def check_gpu(evidence: Evidence) -> Check:
         return Check("gpu", "no GPU evidence (no NVIDIA driver on the node)")
     if not gpu.cc_enabled:
         return Check("gpu", f"confidential computing off (environment {gpu.environment})")
-    digest = binding_digest(evidence.public_key, evidence.nonce)
+    digest = binding_digest(evidence.public_key, evidence.nonce, evidence.bound)
     for device in gpu.devices:
         requested = device.report[SPDM_REQUEST_NONCE]
         if not hmac.compare_digest(requested, digest):

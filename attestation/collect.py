@@ -4,6 +4,7 @@ Order: configfs-tsm (SEV-SNP or TDX, Linux 6.7+), then `/dev/sev-guest` (SEV-SNP
 then `none`. A machine with none of these gets `none` evidence, which is never trusted; a machine
 whose TEE interface exists but fails raises `EvidenceUnavailable` instead, so a broken confidential
 machine is never passed off as a plain one (nor the reverse). The GPU part is added when NVML is there.
+With `bound` values the evidence is binding v2 (TLS, code and models bound beside the key); without, v1.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from attestation.binding import report_data_for
+from attestation.binding import BoundIdentity, report_data_for
 from attestation.configfs_tsm import TSM_REPORT_ROOT, TsmFiles, tsm_report
 from attestation.evidence import Evidence
 from attestation.nvml_cc import NvmlLoader, gpu_evidence, load_pynvml
@@ -27,15 +28,16 @@ def collect_evidence(
     sev_guest: Path = SEV_GUEST_DEVICE,
     nvml: NvmlLoader = load_pynvml,
     tsm_files: TsmFiles | None = None,
+    bound: BoundIdentity | None = None,
 ) -> Evidence:
-    """Evidence binding `public_key` (32 raw Ed25519 bytes) to the verifier's `nonce` (32 bytes).
+    """Evidence binding `public_key` (32 raw Ed25519 bytes), and `bound` when given, to the verifier's `nonce`.
 
-    Raises `MalformedEvidence` for a key or nonce of the wrong length and `EvidenceUnavailable`
+    Raises `MalformedEvidence` for a key, nonce or bound value of the wrong form and `EvidenceUnavailable`
     when a TEE or NVML interface is present but fails.
     """
-    report_data = report_data_for(public_key, nonce)
+    report_data = report_data_for(public_key, nonce, bound)
     none = Evidence(evidence_type="none", source="none", report=b"", aux=b"", gpu=None, public_key=public_key,
-                    boot_id=boot_id, nonce=nonce)
+                    boot_id=boot_id, nonce=nonce, bound=bound)
     gpu = gpu_evidence(report_data[:32], nvml())
     tsm = tsm_report(report_data, tsm_root, tsm_files)
     if tsm is not None:

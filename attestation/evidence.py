@@ -9,6 +9,15 @@
                     "devices": [{"index": int, "uuid": str, "report": base64, "cert_chain": base64}]},
      "public_key": hex (32 bytes), "boot_id": str, "nonce": hex (32 bytes)}
 
+The v2 document ("format": "tenzro-evidence-v2") has the same members and three more, the values
+binding v2 ties into report_data beside the key and nonce (`attestation.binding`), so a verifier
+recomputes report_data from the document alone:
+
+     "tls_spki_sha256": hex (32 bytes) | null,   # null: the node served plain HTTP
+     "code_digest": hex (32 bytes),
+     "models": [{"id": str, "digest": hex (32 bytes)}, ...]   # ascending by id, at least one
+
+A v1 document (no such members) binds the key and nonce only; a verifier tells them apart by `format`.
 Every string is ASCII, so `json.dumps(sort_keys=True, separators=(",", ":"))` is already the RFC 8785
 form, and `evidence_digest` can name a document in signed usage records with that one encoding.
 The document's claims are only claims: a verifier trusts what the hardware signed, never `type`.
@@ -25,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from attestation.binding import require_nonce, require_public_key
+from attestation.binding import BoundIdentity, ModelDigest, require_nonce, require_public_key
 from attestation.errors import MalformedEvidence, VerificationError
 
 EvidenceType = Literal["sev-snp", "tdx", "none"]
@@ -34,7 +43,9 @@ GpuEnvironment = Literal["unavailable", "sim", "prod", "unknown"]
 EVIDENCE_TYPES: tuple[EvidenceType, ...] = get_args(EvidenceType)
 EVIDENCE_SOURCES: tuple[EvidenceSource, ...] = get_args(EvidenceSource)
 GPU_ENVIRONMENTS: tuple[GpuEnvironment, ...] = get_args(GpuEnvironment)
-DOCUMENT_FORMAT = "tenzro-evidence-v1"
+DOCUMENT_FORMAT_V1 = "tenzro-evidence-v1"
+DOCUMENT_FORMAT_V2 = "tenzro-evidence-v2"
+DOCUMENT_FORMATS = (DOCUMENT_FORMAT_V1, DOCUMENT_FORMAT_V2)
 
 SOURCE_TYPES: dict[EvidenceSource, tuple[EvidenceType, ...]] = {
     "configfs-tsm": ("sev-snp", "tdx"),
@@ -44,7 +55,12 @@ SOURCE_TYPES: dict[EvidenceSource, tuple[EvidenceType, ...]] = {
 """Which evidence types each source can produce; any other pairing is a forged or broken document."""
 
 _BOOT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_DOCUMENT_KEYS = frozenset({"format", "type", "source", "report", "aux", "gpu", "public_key", "boot_id", "nonce"})
+_DOCUMENT_KEYS_V1 = frozenset({"format", "type", "source", "report", "aux", "gpu", "public_key", "boot_id", "nonce"})
+_DOCUMENT_KEYS = {
+    DOCUMENT_FORMAT_V1: _DOCUMENT_KEYS_V1,
+    DOCUMENT_FORMAT_V2: _DOCUMENT_KEYS_V1 | {"tls_spki_sha256", "code_digest", "models"},
+}
+_MODEL_KEYS = frozenset({"id", "digest"})
 _GPU_KEYS = frozenset({"cc_enabled", "environment", "dev_tools", "ready", "devices"})
 _DEVICE_KEYS = frozenset({"index", "uuid", "report", "cert_chain"})
 
@@ -96,6 +112,7 @@ class Evidence:
     public_key: bytes  # the node's raw Ed25519 metering key
     boot_id: str
     nonce: bytes  # the verifier's 32-byte nonce
+    bound: BoundIdentity | None = None  # TLS, code and models bound too (binding v2); None: key and nonce only (v1)
 
     def __post_init__(self) -> None:
         if self.evidence_type not in EVIDENCE_TYPES:
@@ -110,6 +127,8 @@ class Evidence:
             raise MalformedEvidence("tdx evidence carries its certificates inside the quote, not in aux")
         require_public_key(self.public_key)
         require_nonce(self.nonce)
+        if self.bound is not None and not isinstance(self.bound, BoundIdentity):
+            raise MalformedEvidence(f"bound values must be a BoundIdentity, got a {type(self.bound).__name__}")
         if not isinstance(self.boot_id, str) or not _BOOT_ID.fullmatch(self.boot_id):
             raise MalformedEvidence(f"boot_id must be 1-64 characters of A-Z a-z 0-9 _ -, got {self.boot_id!r}")
 
@@ -119,9 +138,9 @@ class Evidence:
         return self.evidence_type != "none"
 
     def document(self) -> dict[str, Any]:
-        """The JSON-serialisable document; `from_document` reads it back to an equal `Evidence`."""
-        return {
-            "format": DOCUMENT_FORMAT,
+        """The JSON-serialisable document, v2 when values are bound beside the key; `from_document` reads it back."""
+        document: dict[str, Any] = {
+            "format": DOCUMENT_FORMAT_V1 if self.bound is None else DOCUMENT_FORMAT_V2,
             "type": self.evidence_type,
             "source": self.source,
             "report": _b64(self.report) if self.report else None,
@@ -131,6 +150,12 @@ class Evidence:
             "boot_id": self.boot_id,
             "nonce": self.nonce.hex(),
         }
+        if self.bound is not None:
+            tls = self.bound.tls_spki_sha256
+            document["tls_spki_sha256"] = None if tls is None else tls.hex()
+            document["code_digest"] = self.bound.code_digest.hex()
+            document["models"] = [{"id": model.model_id, "digest": model.digest.hex()} for model in self.bound.models]
+        return document
 
     @classmethod
     def from_document(cls, document: object) -> Evidence:
@@ -151,9 +176,12 @@ def evidence_digest(document: Mapping[str, Any]) -> str:
 
 
 def _evidence_from(document: object) -> Evidence:
-    doc = _object(document, "evidence document", _DOCUMENT_KEYS)
-    if doc["format"] != DOCUMENT_FORMAT:
-        raise MalformedEvidence(f"format must be {DOCUMENT_FORMAT!r}, got {doc['format']!r}")
+    if not isinstance(document, dict):
+        raise MalformedEvidence("evidence document must be a JSON object")
+    form = document.get("format", DOCUMENT_FORMAT_V1)  # a missing format is named as a missing member below
+    if not isinstance(form, str) or form not in DOCUMENT_FORMATS:
+        raise MalformedEvidence(f"format must be {' or '.join(map(repr, DOCUMENT_FORMATS))}, got {form!r}")
+    doc = _object(document, "evidence document", _DOCUMENT_KEYS[form])
     gpu = doc["gpu"]
     return Evidence(
         evidence_type=doc["type"],
@@ -164,7 +192,24 @@ def _evidence_from(document: object) -> Evidence:
         public_key=_from_hex(doc["public_key"], "public_key"),
         boot_id=doc["boot_id"],
         nonce=_from_hex(doc["nonce"], "nonce"),
+        bound=_bound_from(doc) if form == DOCUMENT_FORMAT_V2 else None,
     )
+
+
+def _bound_from(doc: dict[str, Any]) -> BoundIdentity:
+    """The v2 members. Models stay in the document's order: one not in canonical order is refused, not sorted,
+    so a document has one form and one digest."""
+    tls = doc["tls_spki_sha256"]
+    if not isinstance(doc["models"], list):
+        raise MalformedEvidence("models must be a list")
+    models = tuple(_model_from(model) for model in doc["models"])
+    return BoundIdentity(tls_spki_sha256=None if tls is None else _from_hex(tls, "tls_spki_sha256"),
+                         code_digest=_from_hex(doc["code_digest"], "code_digest"), models=models)
+
+
+def _model_from(value: object) -> ModelDigest:
+    model = _object(value, "model", _MODEL_KEYS)
+    return ModelDigest(model_id=model["id"], digest=_from_hex(model["digest"], f"model {model['id']!r} digest"))
 
 
 def _gpu_from(value: object) -> GpuEvidence:

@@ -3,7 +3,9 @@
 `verify_evidence` returns a `VerificationResult` listing every check that passed, or raises
 `VerificationError` with the reason of the first that failed. Which checks run depends on the
 evidence type, through `HARDWARE_VERIFIERS`; `none` evidence has no hardware to check and passes only
-when the caller allows it, and then the result says it is untrusted.
+when the caller allows it, and then the result says it is untrusted. The binding a report must carry
+follows the document's `format` (v1: key and nonce; v2: also TLS, code and models, `attestation.binding`);
+the result hands back every bound value, for the caller to hold against its TLS connection and its policy.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class VerificationResult:
     measurement_hex: str | None  # SNP MEASUREMENT or TDX MRTD; None for `none`
     digest: str  # evidence_digest of the document, as usage records name it
     checks: tuple[Check, ...]  # every check that passed, in order
+    binding_version: int  # 1: report_data binds the key and nonce; 2: also the values below
+    tls_spki_sha256_hex: str | None  # SHA-256 of the node's TLS SubjectPublicKeyInfo; None: v1, or v2 without TLS
+    code_digest_hex: str | None  # the code identity; None for v1
+    model_digests: tuple[tuple[str, str], ...]  # (model id, digest hex), ascending by id; empty for v1
 
 
 def verify_evidence(
@@ -73,11 +79,14 @@ def verify_evidence(
                 "Allow it explicitly (allow_none / --allow-none) to accept it as untrusted",
             )
         emit(Check("evidence", "none: no TEE report; accepted because none evidence was allowed, UNTRUSTED"))
+        if evidence.bound is not None:
+            emit(Check("key binding", f"none: the node claims {evidence.bound.describe()}; no report binds them"))
     else:
         roots = trust_roots if isinstance(trust_roots, TrustRoots) else load_trust_roots(trust_roots)
         measurement = HARDWARE_VERIFIERS[evidence.evidence_type](evidence, roots, expect, emit)
     emit(check_nonce(evidence, expect.nonce))
     emit(check_gpu(evidence))
+    bound = evidence.bound
     return VerificationResult(
         evidence_type=evidence.evidence_type,
         trusted=evidence.trusted,
@@ -88,4 +97,8 @@ def verify_evidence(
         measurement_hex=None if measurement is None else measurement.hex(),
         digest=evidence.digest(),
         checks=tuple(checks),
+        binding_version=1 if bound is None else 2,
+        tls_spki_sha256_hex=None if bound is None or bound.tls_spki_sha256 is None else bound.tls_spki_sha256.hex(),
+        code_digest_hex=None if bound is None else bound.code_digest.hex(),
+        model_digests=() if bound is None else tuple((model.model_id, model.digest.hex()) for model in bound.models),
     )

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from cryptography.x509.oid import NameOID
 
-from attestation.binding import report_data_for
+from attestation.binding import BoundIdentity, report_data_for
 from attestation.evidence import Evidence
 from attestation.snp_report import ASK_GUID, ENTRY, VCEK_GUID
 
@@ -33,6 +33,11 @@ NONCE = bytes(range(100, 132))
 OLD_NONCE = bytes(range(200, 232))
 BOOT_ID = "boot-a"
 REPORT_DATA = report_data_for(NODE_KEY, NONCE)
+TLS_SPKI = bytes(range(140, 172))
+CODE_DIGEST = bytes(range(172, 204))
+MODEL_DIGEST = bytes(range(204, 236))
+BOUND = BoundIdentity.of(tls_spki_sha256=TLS_SPKI, code_digest=CODE_DIGEST, model_digests=[("default", MODEL_DIGEST)])
+REPORT_DATA_V2 = report_data_for(NODE_KEY, NONCE, BOUND)
 
 MILAN_TCB = bytes([3, 0, 0, 0, 0, 0, 8, 209])  # bl=3 tee=0 snp=8 ucode=209 (>= 128: a two-byte DER INTEGER)
 CHIP_ID = bytes(range(64, 128))
@@ -170,6 +175,8 @@ def pem(*certs: x509.Certificate) -> bytes:
     return b"".join(cert.public_bytes(serialization.Encoding.PEM) for cert in certs)
 
 
-def snp_evidence(report: bytes, aux: bytes, public_key: bytes = NODE_KEY, nonce: bytes = NONCE) -> Evidence:
+def snp_evidence(
+    report: bytes, aux: bytes, public_key: bytes = NODE_KEY, nonce: bytes = NONCE, bound: BoundIdentity | None = None
+) -> Evidence:
     return Evidence(evidence_type="sev-snp", source="configfs-tsm", report=report, aux=aux, gpu=None,
-                    public_key=public_key, boot_id=BOOT_ID, nonce=nonce)
+                    public_key=public_key, boot_id=BOOT_ID, nonce=nonce, bound=bound)
