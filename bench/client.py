@@ -83,18 +83,21 @@ class Streamed:
 class Client:
     """One caller of one model at an OpenAI-compatible server; greedy requests over a shared session."""
 
-    def __init__(self, session: aiohttp.ClientSession, base: str, api_key: str | None, model: str = "") -> None:
+    def __init__(self, session: aiohttp.ClientSession, base: str, api_key: str | None, model: str = "",
+                 pin: aiohttp.Fingerprint | None = None) -> None:
         self.session = session
         self.base = base
         """Ends in /v1."""
         self.headers = _bearer(api_key)
         self.model = model
+        self.ssl: aiohttp.Fingerprint | bool = pin or True
+        """An https server's certificate, pinned (a node's `--tls`), or the default verification."""
 
     @classmethod
     async def connect(cls, session: aiohttp.ClientSession, url: str, api_key: str | None,
-                      model: str | None = None) -> Client:
+                      model: str | None = None, pin: aiohttp.Fingerprint | None = None) -> Client:
         """A client of `model`, or of the first model the server lists."""
-        client = cls(session, api_base(url), api_key)
+        client = cls(session, api_base(url), api_key, pin=pin)
         client.model = model or (await client.models())[0]
         return client
 
@@ -104,7 +107,7 @@ class Client:
         """A response with status 200; a transport failure (while reading it too) or any other status raises."""
         try:
             async with self.session.request(method, url, headers=self.headers if headers is None else headers,
-                                            **kwargs) as response:
+                                            ssl=self.ssl, **kwargs) as response:
                 if response.status != 200:
                     raise BenchError(f"{method} {url} answered {response.status}: {await response.text()}")
                 yield response

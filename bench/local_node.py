@@ -4,7 +4,9 @@ subprocess on a free loopback port, keys from `tenzro keys add`, models from `te
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -61,15 +63,18 @@ class LocalNode:
     As a context manager it runs from `start` to `stop`, and a BenchError raised inside carries its log."""
 
     def __init__(self, workdir: Path, model: str, threads: int, device: str | None,
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: tuple[str, ...] = (), tls: bool = False) -> None:
         self.extra = extra
         """More `tenzro node serve` flags."""
+        self.tls = tls
+        """Serve HTTPS (`--tls`); its clients pin the certificate the node presents once it is healthy."""
+        self.pin: aiohttp.Fingerprint | None = None
         self.model, self.threads, self.device = model, threads, device
         self.workdir = workdir
         self.config = workdir / "node.yaml"
         self.log = workdir / "node.log"
         self.port = free_port()
-        self.root = f"http://127.0.0.1:{self.port}"
+        self.root = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.api_key = ""
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -85,7 +90,7 @@ class LocalNode:
                    "--ledger", str(self.workdir / "ledger"), "--pricing", str(self.workdir / "pricing.yaml")]
         if self.device:
             command += ["--device", self.device]
-        command += list(self.extra)
+        command += [*self.extra, *(("--tls",) if self.tls else ())]
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
@@ -99,20 +104,29 @@ class LocalNode:
             if self.process.poll() is not None:
                 raise BenchError(f"the local node exited ({self.process.returncode})")
             try:
-                async with session.get(self.root + "/health") as response:
+                # Not verified yet: the node's certificate is pinned once it is ours.
+                async with session.get(self.root + "/health", ssl=not self.tls) as response:
                     # Ours only once it says it serves: until then the port may answer for another process that
                     # took it between `free_port` and our bind (tests run nodes side by side).
                     if response.status == 200 and SERVING in self.log.read_bytes():
+                        if self.tls:
+                            self.pin = await self._presented_certificate()
                         return
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.5)
         raise BenchError(f"the local node was not healthy in {STARTUP_TIMEOUT_S:.0f} s")
 
+    async def _presented_certificate(self) -> aiohttp.Fingerprint:
+        """The certificate the node's handshake presents (made at its start), pinned: every later request must meet
+        the very same one, as a client pinning it after verifying the node's evidence would."""
+        pem = await asyncio.to_thread(ssl.get_server_certificate, ("127.0.0.1", self.port))
+        return aiohttp.Fingerprint(hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem)).digest())
+
     async def client(self, session: aiohttp.ClientSession, api_key: str | None = None,
                      model: str | None = None) -> Client:
         """A client of this node for `api_key` (default: the key `start` made), of `model` or the first listed."""
-        return await Client.connect(session, self.root, api_key or self.api_key, model)
+        return await Client.connect(session, self.root, api_key or self.api_key, model, pin=self.pin)
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:

@@ -2,6 +2,9 @@
 
 Prompts are token ids, which vLLM, llama.cpp's server and this node all accept, so the same table can be
 made for another engine serving the same model directory; timings include HTTP and SSE, as a caller sees.
+
+`--tls both` measures what TLS costs: a plain and a `--tls` local node side by side, each run sending the same
+prompts to both in turn (which goes first alternating), requests to the TLS node pinned to its certificate.
 """
 
 from __future__ import annotations
@@ -10,13 +13,18 @@ import argparse
 import asyncio
 import statistics
 import tempfile
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from bench.client import BenchError, Client, add_server_arguments, open_session
 from bench.local_node import LocalNode
 from bench.prompts import PromptSource
 from bench.report import Target, columns, failed, progress, write_report
+
+TRANSPORTS = {"off": ("http",), "on": ("https",), "both": ("http", "https")}
+"""The local nodes `--tls` runs: plain HTTP, HTTPS (`tenzro node serve --tls`), or one of each."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +33,8 @@ class Settings(Target):
     new_tokens: int
     runs: int
     seed: int
+    tls: str = "off"
+    """`--tls`: off, on or both (TRANSPORTS)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +47,13 @@ class Sample:
     ttft_ms: float
     prompt_tokens: int | None
     cached_tokens: int | None
+    transport: str = "http"
+    """http or https: the scheme of the node's URL."""
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
+    transport: str
     prompt_tokens: int
     cold_ttft_ms: float
     reused_ttft_ms: float
@@ -64,42 +77,55 @@ def parse_lengths(text: str, new_tokens: int) -> tuple[int, ...]:
     return lengths
 
 
-async def _measure(client: Client, source: PromptSource, settings: Settings) -> list[Sample]:
-    """Cold and reused runs interleaved per length, so drifting noise hits both alike."""
-    await client.complete(source.prefix(max(settings.lengths)))  # untimed: loads and warms everything
+async def _measure(clients: dict[str, Client], source: PromptSource, settings: Settings) -> list[Sample]:
+    """Cold and reused runs interleaved per length, so drifting noise hits both alike; each run's prompts go to
+    every transport's node, the first of them alternating from run to run."""
+    for client in clients.values():
+        await client.complete(source.prefix(max(settings.lengths)))  # untimed: loads and warms everything
     samples: list[Sample] = []
     for length in settings.lengths:
         for run in range(settings.runs):
             prefix = source.prefix(length - settings.new_tokens)
             warm_suffix = source.suffix(settings.new_tokens)
-            await client.complete(prefix + warm_suffix)  # untimed: leaves the prefix's state on the server
-            cold = await client.complete(source.prefix(length))  # and another prompt in between
+            cold_prompt = source.prefix(length)
             other_suffix = source.suffix(settings.new_tokens, unlike=(warm_suffix[0],))
-            after_other = await client.complete(prefix + other_suffix)
-            reused = await client.complete(
-                prefix + source.suffix(settings.new_tokens, unlike=(warm_suffix[0], other_suffix[0])))
-            for kind, timing in (("cold", cold), ("after-other", after_other), ("reused", reused)):
-                samples.append(Sample(length, kind, run, timing.ttft_s * 1000.0, timing.prompt_tokens,
-                                      timing.cached_tokens))
-            progress(f"bench: {length} tokens, run {run + 1}/{settings.runs}: cold {cold.ttft_s * 1000:.1f} ms, "
-                     f"reused {reused.ttft_s * 1000:.1f} ms (cached {reused.cached_tokens}), after another "
-                     f"prompt {after_other.ttft_s * 1000:.1f} ms")
+            reused_suffix = source.suffix(settings.new_tokens, unlike=(warm_suffix[0], other_suffix[0]))
+            order = list(clients.items())
+            for transport, client in order if run % 2 == 0 else reversed(order):
+                await client.complete(prefix + warm_suffix)  # untimed: leaves the prefix's state on the server
+                cold = await client.complete(cold_prompt)  # and another prompt in between
+                after_other = await client.complete(prefix + other_suffix)
+                reused = await client.complete(prefix + reused_suffix)
+                for kind, timing in (("cold", cold), ("after-other", after_other), ("reused", reused)):
+                    samples.append(Sample(length, kind, run, timing.ttft_s * 1000.0, timing.prompt_tokens,
+                                          timing.cached_tokens, transport))
+                progress(f"bench: {length} tokens, run {run + 1}/{settings.runs} over {transport}: cold "
+                         f"{cold.ttft_s * 1000:.1f} ms, reused {reused.ttft_s * 1000:.1f} ms (cached "
+                         f"{reused.cached_tokens}), after another prompt {after_other.ttft_s * 1000:.1f} ms")
     return samples
 
 
 def summarise(settings: Settings, samples: list[Sample]) -> list[Row]:
     rows = []
-    for length in settings.lengths:
-        ttfts: dict[str, list[float]] = {}
-        for sample in samples:
-            if sample.length == length:
+    for transport in dict.fromkeys(sample.transport for sample in samples):
+        for length in settings.lengths:
+            mine = [sample for sample in samples if sample.length == length and sample.transport == transport]
+            ttfts: dict[str, list[float]] = {}
+            for sample in mine:
                 ttfts.setdefault(sample.kind, []).append(sample.ttft_ms)
-        cold_ms, reused_ms = statistics.median(ttfts["cold"]), statistics.median(ttfts["reused"])
-        cached = [s.cached_tokens for s in samples if s.length == length and s.kind == "reused"]
-        rows.append(Row(length, cold_ms, reused_ms, reused_ms / cold_ms, statistics.median(ttfts["after-other"]),
-                        settings.new_tokens / length,
-                        None if None in cached else tuple(c for c in cached if c is not None)))
+            cold_ms, reused_ms = statistics.median(ttfts["cold"]), statistics.median(ttfts["reused"])
+            cached = [s.cached_tokens for s in mine if s.kind == "reused"]
+            rows.append(Row(transport, length, cold_ms, reused_ms, reused_ms / cold_ms,
+                            statistics.median(ttfts["after-other"]), settings.new_tokens / length,
+                            None if None in cached else tuple(c for c in cached if c is not None)))
     return rows
+
+
+def tls_over_plain(rows: list[Row]) -> dict[int, float]:
+    """Per prompt length, the median reused TTFT over HTTPS divided by that over plain HTTP (`--tls both`)."""
+    plain = {row.prompt_tokens: row.reused_ttft_ms for row in rows if row.transport == "http"}
+    return {row.prompt_tokens: row.reused_ttft_ms / plain[row.prompt_tokens] for row in rows
+            if row.transport == "https" and row.prompt_tokens in plain}
 
 
 def format_table(rows: list[Row]) -> str:
@@ -108,36 +134,48 @@ def format_table(rows: list[Row]) -> str:
             return "n/a"
         return str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
 
-    lines = [("prompt tokens", "cold TTFT ms", "reused TTFT ms", "reused/cold", "ideal", "after other ms",
-              "cached (reused)")]
-    lines += [(str(r.prompt_tokens), f"{r.cold_ttft_ms:.1f}", f"{r.reused_ttft_ms:.1f}", f"{r.ratio:.3f}",
-               f"{r.ideal_ratio:.3f}", f"{r.after_other_ttft_ms:.1f}", cached(r.reused_cached_tokens)) for r in rows]
-    return columns(lines)
+    both = len({r.transport for r in rows}) > 1  # then a first column says which node each row measured
+    lines: list[tuple[str, ...]] = [(*(("transport",) if both else ()), "prompt tokens", "cold TTFT ms",
+                                     "reused TTFT ms", "reused/cold", "ideal", "after other ms", "cached (reused)")]
+    lines += [(*((r.transport,) if both else ()), str(r.prompt_tokens), f"{r.cold_ttft_ms:.1f}",
+               f"{r.reused_ttft_ms:.1f}", f"{r.ratio:.3f}", f"{r.ideal_ratio:.3f}", f"{r.after_other_ttft_ms:.1f}",
+               cached(r.reused_cached_tokens)) for r in rows]
+    ratios = tls_over_plain(rows)
+    ratio_line = ("\nreused TTFT, https over http: "
+                  + ", ".join(f"{length} tokens {ratio:.3f}" for length, ratio in ratios.items())) if ratios else ""
+    return columns(lines, left=int(both)) + ratio_line
 
 
 async def _bench(args: argparse.Namespace, lengths: tuple[int, ...],
-                 node: LocalNode | None) -> tuple[Settings, list[Sample]]:
+                 nodes: list[LocalNode]) -> tuple[Settings, list[Sample]]:
     async with open_session() as session:
-        if node is None:
-            client = await Client.connect(session, args.url, args.api_key, args.model)
-        else:
+        clients: dict[str, Client] = {}
+        if not nodes:
+            clients[urlsplit(args.url).scheme] = await Client.connect(session, args.url, args.api_key, args.model)
+        for node in nodes:
             progress(f"bench: starting a local node for model '{node.model}' on {node.root}")
+        for node, transport in zip(nodes, TRANSPORTS[args.tls], strict=True):
             await node.wait_healthy(session)
-            client = await node.client(session)
-        local = node is not None
+            clients[transport] = await node.client(session)
+        client = next(iter(clients.values()))
+        local = bool(nodes)
         settings = Settings(url=client.base, model=client.model, local=local,
                             threads=args.threads if local else None, device=args.device if local else None,
-                            lengths=lengths, new_tokens=args.new_tokens, runs=args.runs, seed=args.seed)
-        progress(f"bench: measuring model '{client.model}' at {client.base}")
-        return settings, await _measure(client, PromptSource(settings.seed), settings)
+                            lengths=lengths, new_tokens=args.new_tokens, runs=args.runs, seed=args.seed, tls=args.tls)
+        progress(f"bench: measuring model '{client.model}' at {', '.join(c.base for c in clients.values())}")
+        return settings, await _measure(clients, PromptSource(settings.seed), settings)
 
 
 def _run(args: argparse.Namespace, lengths: tuple[int, ...]) -> tuple[Settings, list[Sample]]:
     if args.url:
-        return asyncio.run(_bench(args, lengths, None))
-    with (tempfile.TemporaryDirectory(prefix="tenzro-bench-") as workdir,
-          LocalNode(Path(workdir), args.model or "default", args.threads, args.device) as node):
-        return asyncio.run(_bench(args, lengths, node))
+        if args.tls != "off":
+            raise BenchError("--tls runs local nodes; measure an https server by giving its --url")
+        return asyncio.run(_bench(args, lengths, []))
+    with tempfile.TemporaryDirectory(prefix="tenzro-bench-") as workdir, ExitStack() as running:
+        nodes = [running.enter_context(LocalNode(Path(workdir) / transport, args.model or "default", args.threads,
+                                                 args.device, tls=transport == "https"))
+                 for transport in TRANSPORTS[args.tls]]
+        return asyncio.run(_bench(args, lengths, nodes))
 
 
 def run_reuse_bench(args: argparse.Namespace) -> int:
@@ -162,5 +200,8 @@ def add_reuse_bench(bench: argparse._SubParsersAction[argparse.ArgumentParser]) 
     reuse.add_argument("--runs", type=int, default=5)
     reuse.add_argument("--seed", type=int, default=0, help="of the random prompts; vary it between rounds against "
                        "a server that keeps its cache, or its cold prompts are not cold")
+    reuse.add_argument("--tls", choices=list(TRANSPORTS), default="off",
+                       help="the local node serves plain HTTP (off), HTTPS with `--tls`, its certificate pinned by "
+                            "the client (on), or both: one node of each, the same prompts sent to both in turn")
     reuse.add_argument("--out", default="bench-results/reuse.json")
     reuse.set_defaults(func=run_reuse_bench)

@@ -16,7 +16,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from metering.durable import fsync_directory
@@ -50,9 +50,12 @@ class Ledger:
         *,
         evidence_digest: str,
         clock_ms: Callable[[], int] = wall_clock_ms,
+        code_digest: str | None = None,
+        model_digests: Mapping[str, str] | None = None,
     ) -> None:
         """`evidence_digest`: SHA-256 hex of the attestation evidence that binds `signer`'s key for this node
-        start; the header, every record and every tree head name it."""
+        start; the header, every record and every tree head name it. `code_digest` and `model_digests` (model
+        id -> digest): what this node start runs, named by the header only (`metering.segment`)."""
         self.directory = Path(directory)
         self.signer = signer
         self.boot_id = boot_id
@@ -65,6 +68,9 @@ class Ledger:
         self._tree = MerkleTree()
         self._prev_hash = ZERO_HASH
         self._broken: str | None = None
+        # Before the file: a malformed digest must not leave an empty segment behind.
+        self.header = SegmentHeader.create(signer, boot_id, clock_ms(), evidence_digest, code_digest=code_digest,
+                                           model_digests=model_digests)
 
         self.directory.mkdir(parents=True, exist_ok=True)
         try:
@@ -74,7 +80,6 @@ class Ledger:
                 f"segment {self.path} already exists; every node start needs a new boot_id"
             ) from exc
         self._size = 0
-        self.header = SegmentHeader.create(signer, boot_id, clock_ms(), evidence_digest)
         try:
             self._write_line(self.header.canonical_bytes())
         except LedgerError:

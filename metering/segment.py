@@ -4,11 +4,14 @@ One segment per node start, named `ledger-<boot_id>.jsonl` inside the ledger dir
 is RFC 8785 canonical JSON followed by "\\n":
 
     line 1      segment header: format, boot_id, created_ms, node_key_id, public_key, evidence_digest,
-                signature
+                [code_digest, model_digests,] signature
     line 2 + s  usage record with seq s (s = 0, 1, 2, ...), as `UsageRecord.to_json()`
 
 The header names the key that signs the segment and the digest of the attestation evidence that binds
 that key, so the file says which attested key to check it against; every record names the same digest.
+A header may also name what the node start ran: `code_digest` and `model_digests` (model id -> digest), as
+`node.code_identity` defines them. Both are optional and absent from segments written before they existed, so
+those still verify: the signature covers exactly the members present.
 The header is signed by that key and is not a Merkle leaf. Records are the Merkle leaves, leaf
 index = seq, leaf data = the line without its newline. A node never reopens an old segment, so a
 crash can leave at most one torn line, at the end of its own segment.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -31,6 +35,9 @@ SEGMENT_FORMAT = "tenzro-ledger-segment/2"
 """/2: records carry service times and, like the header and tree heads, the attestation evidence digest."""
 SEGMENT_PREFIX = "ledger-"
 SEGMENT_SUFFIX = ".jsonl"
+OPTIONAL_MEMBERS = ("code_digest", "model_digests")
+"""Header members a segment written before they existed lacks."""
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 class SegmentFormatError(ValueError):
@@ -68,11 +75,17 @@ class SegmentHeader:
     public_key: str  # 64 hex characters, raw Ed25519 public key
     evidence_digest: str  # SHA-256 hex of the attestation evidence that binds `public_key`
     signature: str  # 128 hex characters over the canonical JSON of the other members
+    code_digest: str | None = None
+    """SHA-256 hex of the code the node start ran (`node.code_identity`); None in older segments."""
+    model_digests: tuple[tuple[str, str], ...] | None = None
+    """(model id, SHA-256 hex of its directory) for each model served, sorted by id; None in older segments.
+    On disk a JSON object of model id to digest."""
 
     def __post_init__(self) -> None:
         _check_format(self.format)
         check_boot_id(self.boot_id)
         check_evidence_digest(self.evidence_digest)
+        _check_served(self.code_digest, self.model_digests)
         if type(self.created_ms) is not int or self.created_ms < 0:
             raise SegmentFormatError(f"created_ms must be a non-negative integer, got {self.created_ms!r}")
         for name in ("node_key_id", "public_key", "signature"):
@@ -86,7 +99,9 @@ class SegmentHeader:
             raise SegmentFormatError("segment header node_key_id is not the key id of its public_key")
 
     @classmethod
-    def create(cls, signer: NodeSigner, boot_id: str, created_ms: int, evidence_digest: str) -> SegmentHeader:
+    def create(cls, signer: NodeSigner, boot_id: str, created_ms: int, evidence_digest: str, *,
+               code_digest: str | None = None, model_digests: Mapping[str, str] | None = None) -> SegmentHeader:
+        """A signed header; `code_digest` and `model_digests` (model id -> digest), when given, are signed with it."""
         body: dict[str, Any] = {
             "format": SEGMENT_FORMAT,
             "boot_id": boot_id,
@@ -95,25 +110,64 @@ class SegmentHeader:
             "public_key": signer.public_key_hex,
             "evidence_digest": evidence_digest,
         }
-        return cls(**body, signature=signer.sign(signed_payload(body)).hex())
+        if code_digest is not None:
+            body["code_digest"] = code_digest
+        if model_digests is not None:
+            body["model_digests"] = dict(model_digests)
+        members = {**body, "signature": signer.sign(signed_payload(body)).hex()}
+        if model_digests is not None:
+            members["model_digests"] = tuple(sorted(model_digests.items()))
+        return cls(**members)
 
     @classmethod
     def from_json(cls, obj: Any) -> SegmentHeader:
         names = [field.name for field in fields(cls)]
+        required = [name for name in names if name not in OPTIONAL_MEMBERS]
         if isinstance(obj, Mapping) and "format" in obj:
             _check_format(obj["format"])  # first: another format's header has other members
-        if not isinstance(obj, Mapping) or sorted(obj) != sorted(names):
-            raise SegmentFormatError(f"a segment header is a JSON object with exactly {', '.join(names)}")
+        if not isinstance(obj, Mapping) or not set(required) <= set(obj) or not set(obj) <= set(names):
+            raise SegmentFormatError(f"a segment header is a JSON object with exactly {', '.join(required)}, "
+                                     f"and optionally {', '.join(OPTIONAL_MEMBERS)}")
+        members = dict(obj)
+        for name in OPTIONAL_MEMBERS:  # absent, never null: a null would verify as if absent, so no line has one
+            if name in members and members[name] is None:
+                raise SegmentFormatError(f"segment header {name} is null; leave it out instead")
+        models = members.get("model_digests")
+        if isinstance(models, Mapping):
+            members["model_digests"] = tuple(sorted(models.items()))
+        elif models is not None:
+            raise SegmentFormatError(f"segment header model_digests must be an object of model id to digest, "
+                                     f"got {models!r}")
         try:
-            return cls(**obj)
+            return cls(**members)
         except ValueError as exc:  # RecordError and SegmentFormatError are ValueErrors
             raise SegmentFormatError(f"invalid segment header: {exc}") from exc
 
     def to_json(self) -> dict[str, Any]:
-        return {field.name: getattr(self, field.name) for field in fields(self)}
+        """The header's members; an optional one that is None is absent (as in a segment written before it)."""
+        obj = {field.name: getattr(self, field.name) for field in fields(self)}
+        if self.model_digests is not None:
+            obj["model_digests"] = dict(self.model_digests)
+        return {name: value for name, value in obj.items() if value is not None or name not in OPTIONAL_MEMBERS}
 
     def canonical_bytes(self) -> bytes:
         return canonical_json(self.to_json())
+
+
+def _check_served(code_digest: object, model_digests: object) -> None:
+    if code_digest is not None and (not isinstance(code_digest, str) or not _HEX64.fullmatch(code_digest)):
+        raise SegmentFormatError(f"segment header code_digest must be 64 lowercase hex characters, got {code_digest!r}")
+    if model_digests is None:
+        return
+    if not isinstance(model_digests, tuple) or not model_digests:
+        raise SegmentFormatError("segment header model_digests must name at least one model")
+    for model_id, digest in model_digests:
+        if not isinstance(model_id, str) or not model_id:
+            raise SegmentFormatError(f"segment header model_digests: a model id must be a non-empty string, "
+                                     f"got {model_id!r}")
+        if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+            raise SegmentFormatError(f"segment header model_digests[{model_id!r}] must be 64 lowercase hex "
+                                     f"characters, got {digest!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from node.identity import NodeIdentity
     from node.meter import Meter, MeteringPaths
     from node.service import ModelService
+    from node.tls import NodeCertificate
 
 
 ARCHITECTURE_CLASSES = ("dense", "swa", "alternating", "ssm", "hybrid", "moe", "hybrid-moe")
@@ -56,13 +57,14 @@ def default_threads() -> int:
     return max(1, cores - 1)
 
 
-def _how_to_call(host: str, port: int, model: str, key: str | None) -> str:
-    base = f"http://{host}:{port}/v1"
+def _how_to_call(host: str, port: int, model: str, key: str | None, tls: NodeCertificate | None) -> str:
+    base = f"{'https' if tls else 'http'}://{host}:{port}/v1"
+    pin = f"--insecure --pinnedpubkey {tls.curl_pin} " if tls else ""
     key_line = (f"A new API key for caller 'local' (shown once; only its hash is stored):\n"
                 f"  export TENZRO_API_KEY={key}\n" if key else
                 "Use a key from 'tenzro keys add NAME' as TENZRO_API_KEY.\n")
     return (f"tenzro node: serving model '{model}' at {base}\n{key_line}"
-            f"Try:\n  curl -s {base}/chat/completions -H \"Authorization: Bearer $TENZRO_API_KEY\" "
+            f"Try:\n  curl -s {pin}{base}/chat/completions -H \"Authorization: Bearer $TENZRO_API_KEY\" "
             f"-H 'Content-Type: application/json' \\\n"
             f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
             f"\"max_tokens\": 16}}'\n")
@@ -77,6 +79,15 @@ def _metering_lines(meter: Meter, paths: MeteringPaths, created_prices: bool) ->
             f"  prices from {paths.pricing_file}{created}; change them with 'tenzro provider pricing set'\n")
 
 
+def _tls_lines(tls: NodeCertificate | None) -> str:
+    if tls is None:
+        return "TLS: off, plain HTTP (for local development; --tls serves HTTPS)\n"
+    return (f"TLS: this boot's self-signed certificate (ECDSA P-256, TLS 1.3, valid until "
+            f"{tls.not_after:%Y-%m-%d %H:%M} UTC), SPKI SHA-256 {tls.spki_sha256_hex}\n"
+            f"  pin it: curl --pinnedpubkey {tls.curl_pin} (with --insecure: nothing else vouches for it), or trust "
+            f"exactly GET /v1/node's tls.certificate_pem once its tls.spki_sha256 is this hash\n")
+
+
 def _attestation_line(identity: NodeIdentity) -> str:
     evidence = identity.evidence
     trust = "a TEE's report" if evidence.trusted else "untrusted: no TEE found"
@@ -84,12 +95,25 @@ def _attestation_line(identity: NodeIdentity) -> str:
             f"{identity.evidence_digest} (GET /v1/attestation?nonce=HEX for fresh evidence)\n")
 
 
+def _served_lines(identity: NodeIdentity, waited_s: float) -> str:
+    served = identity.served
+    assert served is not None  # hashed before the app was made
+    code = served.code
+    models = "".join(f"  model {model.model_id}: {model.digest} ({len(model.files)} files)\n"
+                     for model in served.models)
+    return (f"Code and models (GET /v1/node, ledger segment header): code {code.digest} ({code.source}: "
+            f"{len(code.files)} files, {code.python})\n{models}"
+            f"  hashed in {served.code_s + served.model_s:.2f} s beside the model load, which then waited "
+            f"{waited_s:.2f} s for it\n")
+
+
 def _serve(args: argparse.Namespace) -> int:
     # First, so that the memory lock covers everything loaded after it.
-    from attestation.errors import EvidenceUnavailable
+    from attestation.errors import EvidenceUnavailable, MalformedEvidence
     from node.hygiene import HygienePolicy, apply_hygiene, without_freed_memory_caches
     from node.identity import NodeIdentity
-    from policies.node_policy import NodePolicyError, hardware_unmet, load_node_policy, with_jurisdiction
+    from node.tls import NodeTls, TlsError
+    from policies.node_policy import NodePolicyError, hardware_unmet, load_node_policy, tls_unmet, with_jurisdiction
 
     environment = without_freed_memory_caches()
     if environment is not None:  # once: glibc's tunables and the interpreter's allocator are read at start
@@ -100,14 +124,18 @@ def _serve(args: argparse.Namespace) -> int:
         policy = load_node_policy(args.policy)
         if args.jurisdiction:
             policy = with_jurisdiction(policy, args.jurisdiction)
+        tls = policy.require.tls if args.tls is None else args.tls
+        # The channel's key, made in memory and never written, before the evidence (which is to bind it).
+        node_tls = NodeTls.start(args.host) if tls else None
         # The key first, then the evidence binding it: a TEE interface that fails stops the start here.
         identity = NodeIdentity.start()
-    except (NodePolicyError, EvidenceUnavailable) as exc:
+    except (NodePolicyError, EvidenceUnavailable, TlsError) as exc:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
     evidence = identity.evidence
     missing = HygienePolicy(policy).missing(hygiene, sealing=args.no_reuse or not args.no_seal) + [
-        unmet.message for unmet in hardware_unmet(policy, evidence.evidence_type, evidence.trusted)]
+        unmet.message for unmet in (*hardware_unmet(policy, evidence.evidence_type, evidence.trusted),
+                                    *tls_unmet(policy, tls))]
     if missing:
         print(f"tenzro: error: the node policy '{policy.name}' is not met:\n"
               + "\n".join(f"  - {line}" for line in missing), file=sys.stderr)
@@ -125,6 +153,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cache.snapshot_policy import PolicyError, SnapshotPolicy
     from node.api.app import create_app
     from node.api.keys import METER
+    from node.code_identity import IdentityError, start_hashing
     from node.engine.loader import ModelLoadError, load_model, resolve_model_dir
     from node.meter import MeteringPaths, ensure_price_file
     from node.service import ModelService
@@ -143,8 +172,13 @@ def _serve(args: argparse.Namespace) -> int:
             new_key = add_key(config_path, "local")
             config = load_config(config_path)
         model_id, path = resolve_model_dir(args.model, tenzro_home())
+        # The code and the weights hash on threads of their own while the model loads (node.code_identity).
+        hashing = start_hashing({model_id: path})
         loaded = load_model(model_id, path, device=args.device, dtype=args.dtype)
-    except (ConfigError, ModelLoadError, PricingError, OSError) as exc:
+        # The boot's evidence again, now binding the TLS key, the code and the model (binding v2).
+        identity = identity.with_served(hashing.result(), node_tls.certificate.spki_sha256 if node_tls else None)
+    except (ConfigError, ModelLoadError, PricingError, OSError, IdentityError, EvidenceUnavailable,
+            MalformedEvidence) as exc:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -158,22 +192,24 @@ def _serve(args: argparse.Namespace) -> int:
                                                                reserve_bytes=config.reserve_bytes,
                                                                compute_threads=args.threads)
     service = ModelService.create(loaded, prefix_cache, config.limits, reuse_policy)
+    certificate = node_tls.certificate if node_tls else None
     app = create_app(config, config_path, service, metering, identity, policy,
-                     hygiene={**hygiene.as_json(), "policy": policy.name})
+                     hygiene={**hygiene.as_json(), "policy": policy.name}, tls=certificate)
     # The model, tokenizer and app are loaded for good: out of the collector's reach, a full collection
     # (which a request building many objects, e.g. 20,000 messages, sets off) no longer walks them all
     # while holding the interpreter lock (/health stalled 240 ms during such a request before, 16 ms after).
     gc.collect()
     gc.freeze()
     forward = loaded.forward_path
-    message = (_how_to_call(args.host, args.port, model_id, new_key)
+    message = (_how_to_call(args.host, args.port, model_id, new_key, certificate) + _tls_lines(certificate)
                + f"Forward: {forward.name} ({forward.reason}); TENZRO_NATIVE=off selects transformers' forward\n"
                + _lanes_line(service, config.limits.max_running) + _reserve_line(service))
     try:
         # A client that goes away cancels its handler, which stops its generation (router.edge.EdgeRunner).
         serve(app, args.host, args.port, config.limits.header_timeout_s, started=lambda: print(
-            message + _metering_lines(app[METER], metering, created_prices) + _attestation_line(identity),
-            flush=True))
+            message + _metering_lines(app[METER], metering, created_prices) + _attestation_line(identity)
+            + _served_lines(identity, hashing.waited_s),
+            flush=True), ssl_context=node_tls.context if node_tls else None)
     except (LedgerError, PricingError, OSError) as exc:  # the meter's files, or the port, at startup
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
@@ -265,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="node policy: confidential, standard (the default) or a policy YAML file: the node's "
                             "jurisdiction and trust tier, and what it refuses to start without (locked memory, no "
                             "swap, sealing, confidential hardware)")
+    serve.add_argument("--tls", action=argparse.BooleanOptionalAction,
+                       help="serve HTTPS (TLS 1.3) with a key made at start in memory, never written, and a "
+                            "self-signed certificate for this boot, which clients pin (default: on when the policy "
+                            "requires tls, as confidential does; --no-tls: plain HTTP, for local development, "
+                            "refused by such a policy)")
     serve.add_argument("--jurisdiction", metavar="CC",
                        help="the ISO 3166-1 alpha-2 country the node runs in, over the policy's `jurisdiction`")
     serve.add_argument("--device", help="cpu or cuda (default: cuda when present)")

@@ -243,12 +243,16 @@ def attest_segment(report: VerifyReport, documents: dict[str, dict[str, object]]
 
 
 def format_verify_report(report: VerifyReport) -> str:
-    """One line when the segment verifies (with the attestation evidence it names), two when it does not."""
+    """One line when the segment verifies (with the attestation evidence it names, and the code and models when its
+    header names them), two when it does not."""
     head = "" if report.tree_head_size is None else f", tree head of {report.tree_head_size} records"
     if report.ok:
+        assert report.header is not None  # the segment verified
+        served = "" if report.header.code_digest is None else f"; code {report.header.code_digest}"
+        served += "".join(f"; model {model_id} {digest}" for model_id, digest in report.header.model_digests or ())
         return (
             f"OK {report.path}: {report.good_records} records verified under key {report.node_key_id} "
-            f"(evidence {report.evidence_digest}){head}; Merkle root {report.root_hash_hex}"
+            f"(evidence {report.evidence_digest}{served}){head}; Merkle root {report.root_hash_hex}"
         )
     return (
         f"FAILED {report.path}: {report.problem}\n"

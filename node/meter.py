@@ -15,7 +15,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,14 +119,16 @@ class Meter:
         self._following: set[asyncio.Task[None]] = set()
 
     @classmethod
-    def open(cls, paths: MeteringPaths, signer: NodeSigner, evidence_digest: str, boot_id: str | None = None
-             ) -> Meter:
+    def open(cls, paths: MeteringPaths, signer: NodeSigner, evidence_digest: str, boot_id: str | None = None, *,
+             code_digest: str | None = None, model_digests: Mapping[str, str] | None = None) -> Meter:
         """A new segment signed by this start's new key `signer`, whose header, records and tree heads name
         `evidence_digest`: the SHA-256 hex of the attestation evidence that binds the key (so the key comes
-        first, then the evidence, then the meter). Raises PricingError, LedgerError or RecordError (a
-        malformed digest) when one cannot be used."""
+        first, then the evidence, then the meter). The header also names `code_digest` and `model_digests`
+        (model id -> digest, `node.code_identity`) when given. Raises PricingError, LedgerError or RecordError
+        (a malformed digest) when one cannot be used."""
         pricing = PricingSource(paths.pricing_file)  # first: bad prices must not leave an empty segment behind
-        ledger = Ledger(paths.ledger_dir, signer, boot_id or uuid.uuid4().hex, evidence_digest=evidence_digest)
+        ledger = Ledger(paths.ledger_dir, signer, boot_id or uuid.uuid4().hex, evidence_digest=evidence_digest,
+                        code_digest=code_digest, model_digests=model_digests)
         return cls(signer, ledger, pricing)
 
     @property

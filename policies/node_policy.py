@@ -44,6 +44,9 @@ class NodeRequirements:
     """Prompt state stored for reuse is sealed (AES-256-GCM under per-scope keys)."""
     confidential_hardware: bool
     """The node's attestation evidence is a TEE's (not `none`) and verified."""
+    tls: bool
+    """The node serves HTTPS with a key made in its memory (`node/tls.py`), never plain HTTP: whoever relays a
+    plain connection reads every prompt."""
 
 
 REQUIREMENTS = tuple(item.name for item in fields(NodeRequirements))
@@ -138,3 +141,14 @@ def hardware_unmet(policy: NodePolicy, evidence_type: str, trusted: bool) -> tup
                   f"node policy '{policy.name}' requires confidential hardware, and {shortfall}: run the node in a "
                   f"confidential VM (SEV-SNP or TDX) whose evidence verifies, or use a policy with "
                   f"confidential_hardware: false"),)
+
+
+def tls_unmet(policy: NodePolicy, tls: bool) -> tuple[Unmet, ...]:
+    """The node requirement serving plain HTTP leaves unmet (`require.tls`), with what to change; empty when
+    `tls` (the node serves HTTPS) or the policy does not require it."""
+    if not policy.require.tls or tls:
+        return ()
+    return (Unmet("require.tls",
+                  f"node policy '{policy.name}' requires TLS, and --no-tls asks for plain HTTP, which whoever relays "
+                  f"the connection reads: serve without --no-tls (TLS is on by default under this policy), or use "
+                  f"a policy with tls: false for local development"),)

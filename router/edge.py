@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -147,11 +148,11 @@ class EdgeRunner(web.AppRunner):
 
 
 async def _serve(app: web.Application, host: str, port: int, head_timeout_s: float,
-                 started: Callable[[], None]) -> None:
+                 started: Callable[[], None], ssl_context: ssl.SSLContext | None) -> None:
     runner = EdgeRunner(app, head_timeout_s, handle_signals=True)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
         started()
         await asyncio.Event().wait()  # until SIGINT or SIGTERM
     finally:
@@ -165,14 +166,15 @@ async def read_within(request: web.Request, seconds: float) -> bytes:
         return await request.read()
 
 
-def serve(app: web.Application, host: str, port: int, head_timeout_s: float, started: Callable[[], None]) -> None:
-    """Serve `app` on host:port until SIGINT or SIGTERM, calling `started` once it listens; `web.run_app`'s life
-    cycle (which cannot be given a runner): on a signal the runner's cleanup runs first (requests in flight end,
-    then the application's cleanup contexts), then whatever tasks are left are cancelled. An error at start (the
-    port taken, a cleanup context failing) is raised."""
+def serve(app: web.Application, host: str, port: int, head_timeout_s: float, started: Callable[[], None],
+          ssl_context: ssl.SSLContext | None = None) -> None:
+    """Serve `app` on host:port (HTTPS with `ssl_context`: the node's `--tls`) until SIGINT or SIGTERM, calling
+    `started` once it listens; `web.run_app`'s life cycle (which cannot be given a runner): on a signal the
+    runner's cleanup runs first (requests in flight end, then the application's cleanup contexts), then whatever
+    tasks are left are cancelled. An error at start (the port taken, a cleanup context failing) is raised."""
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    main = loop.create_task(_serve(app, host, port, head_timeout_s, started))
+    main = loop.create_task(_serve(app, host, port, head_timeout_s, started, ssl_context))
     try:
         loop.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):

@@ -9,12 +9,14 @@ second time, which would take minutes and gigabytes for nothing this test checks
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
 import time
+import urllib.request
 import venv
 import zipfile
 from pathlib import Path
@@ -86,6 +88,10 @@ def test_a_wheel_installed_into_a_fresh_environment_serves_a_chat(tmp_path: Path
                                                max_tokens=4, temperature=0)
         assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens >= 1
         assert (home / "pricing.yaml").is_file()  # the first price file, from the wheel's policies/
+        with urllib.request.urlopen(url + "/v1/node", timeout=5) as response:  # loopback only
+            code = json.load(response)["code"]
+        # The code digest covers the files the wheel's RECORD lists, the kernels among them; nothing else is there.
+        assert (code["source"], code["unlisted"], code["native_library"] is not None) == ("record", [], built_here)
         # The wheel's kernels serve wherever this environment's would (same build, same CPU checks).
         assert ("Forward: native" if load_kernels().kernels is not None else "Forward: transformers") in text
     finally:

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from cache.summary import SummaryFilters
 from node.api import completions, identity, operations, records, rpc, summary
-from node.api.keys import CONFIG, HYGIENE, IDENTITY, KEYRING, METER, METRICS, POLICY, PREPARE, SERVICE, SUMMARIES
+from node.api.keys import CONFIG, HYGIENE, IDENTITY, KEYRING, METER, METRICS, POLICY, PREPARE, SERVICE, SUMMARIES, TLS
 from node.api.middleware import auth_middleware, coding_middleware, error_middleware
 from node.api.prepare import FairPreparation
 from node.auth import KeyRing
@@ -25,6 +25,7 @@ from node.identity import NodeIdentity
 from node.meter import Meter, MeteringPaths
 from node.metrics import NodeMetrics
 from node.service import ModelService
+from node.tls import NodeCertificate, tls_json
 from policies.node_policy import NodePolicy
 
 PREPARE_THREADS = 4
@@ -38,8 +39,9 @@ ROUTE_TABLES = (completions.routes, records.routes, identity.routes, operations.
 
 
 def create_app(config: NodeConfig, config_path: Path, service: ModelService, metering: MeteringPaths,
-               node_identity: NodeIdentity, policy: NodePolicy, hygiene: dict[str, Any] | None = None
-               ) -> web.Application:
+               node_identity: NodeIdentity, policy: NodePolicy, hygiene: dict[str, Any] | None = None,
+               tls: NodeCertificate | None = None) -> web.Application:
+    """`tls`: the certificate the node serves HTTPS with (`node.tls`); None when it serves plain HTTP."""
     # Errors outermost: an authentication failure leaves as JSON too. A compressed body is refused before any key
     # is checked.
     app = web.Application(client_max_size=config.limits.max_body_bytes,
@@ -60,6 +62,7 @@ def create_app(config: NodeConfig, config_path: Path, service: ModelService, met
     app[HYGIENE] = hygiene or {}
     app[IDENTITY] = node_identity
     app[POLICY] = policy
+    app[TLS] = tls_json(tls)
     arena = runner.arena
     app[METRICS] = NodeMetrics(
         cached_bytes=lambda: float(arena.bytes_total) if arena is not None else 0.0,
@@ -86,7 +89,10 @@ def create_app(config: NodeConfig, config_path: Path, service: ModelService, met
     async def meter_ctx(app: web.Application) -> AsyncIterator[None]:
         # The boot's evidence beside its segment: an auditor checks the segment's key against it offline.
         node_identity.write_evidence(metering.ledger_dir)
-        app[METER] = Meter.open(metering, node_identity.signer, node_identity.evidence_digest, node_identity.boot_id)
+        served = node_identity.served
+        app[METER] = Meter.open(metering, node_identity.signer, node_identity.evidence_digest, node_identity.boot_id,
+                                code_digest=None if served is None else served.code.digest,
+                                model_digests=None if served is None else served.model_digests())
         yield
         await app[METER].close(METER_CLOSE_TIMEOUT_S)
 

@@ -15,7 +15,7 @@ from attestation.binding import NONCE_BYTES
 from attestation.errors import EvidenceUnavailable
 from metering.canonical import wei_to_json
 from node.api.body import off_loop
-from node.api.keys import CALLER, HYGIENE, IDENTITY, METER, POLICY, SERVICE
+from node.api.keys import CALLER, HYGIENE, IDENTITY, METER, POLICY, SERVICE, TLS
 from node.auth import require_role
 from node.errors import InvalidRequest, Unavailable
 from node.identity import NodeIdentity
@@ -25,10 +25,12 @@ routes = web.RouteTableDef()
 
 @routes.get("/v1/node")
 async def node_identity(request: web.Request) -> web.Response:
-    """Which key signs this node start's records and the digest of the evidence binding it, the prices it
-    charges now, its policy, which forward its model runs on (and why), how its engine and sealing are set up
-    and the process's hygiene; no key needed, and the same for every key."""
+    """Which key signs this node start's records and the digest of the evidence binding it, the digests of the
+    code and models it runs (`node.code_identity`), the prices it charges now, its policy, which forward its
+    model runs on (and why), how its engine and sealing are set up,
+    the process's hygiene and the TLS certificate it serves with; no key needed, and the same for every key."""
     meter, identity, service = request.app[METER], request.app[IDENTITY], request.app[SERVICE]
+    served = identity.served
     prices = meter.pricing.current()
     forward = service.loaded.forward_path
     return web.json_response({
@@ -39,6 +41,8 @@ async def node_identity(request: web.Request) -> web.Response:
         "public_key": meter.signer.public_key_hex,
         "evidence": {"type": identity.evidence.evidence_type, "trusted": identity.evidence.trusted,
                      "digest": identity.evidence_digest},
+        "code": None if served is None else served.code.describe(),
+        "models": [] if served is None else [model.describe() for model in served.models],
         "policy": request.app[POLICY].as_json(),
         "ledger_segment": meter.ledger.path.name,
         "prices": {name: wei_to_json(value) for name, value in prices.to_mapping().items()},
@@ -48,6 +52,7 @@ async def node_identity(request: web.Request) -> web.Response:
                    "max_running": service.scheduler.max_running},
         "sealing": service.runner.sealing_config(),
         "hygiene": request.app[HYGIENE],
+        "tls": request.app[TLS],
     })
 
 

@@ -27,6 +27,8 @@ callers in turn."""
 HYGIENE = web.AppKey("hygiene", dict[str, Any])
 IDENTITY = web.AppKey("identity", NodeIdentity)
 POLICY = web.AppKey("policy", NodePolicy)
+TLS = web.AppKey("tls", dict[str, Any])
+"""`node.tls.tls_json`: whether the node serves HTTPS and its certificate, for `GET /v1/node`."""
 SUMMARIES = web.AppKey("summaries", SummaryFilters)
 """Each router's summary filter per model, kept between its reads."""
 

@@ -54,3 +54,39 @@ def test_bench_reuse_reports_exact_prefix_reuse(small_model_dir: Path, tmp_path:
                                 "reused/cold", "ideal", "after", "other", "ms", "cached", "(reused)"]
     assert [line.split()[0] for line in lines[1:]] == [str(length) for length in LENGTHS]
     assert [line.split()[-1] for line in lines[1:]] == [str(length - NEW_TOKENS) for length in LENGTHS]
+
+
+def test_bench_reuse_tls_both_measures_a_plain_and_a_pinned_tls_node_on_the_same_prompts(small_model_dir: Path,
+                                                                                       tmp_path: Path) -> None:
+    out = tmp_path / "tls.json"
+    env = {**os.environ, "TENZRO_HOME": str(tmp_path / "home")}
+    result = subprocess.run(
+        [TENZRO, "bench", "reuse", "--model", str(small_model_dir), "--lengths", "64", "--runs", "2",
+         "--new-tokens", str(NEW_TOKENS), "--tls", "both", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+
+    report = json.loads(out.read_text())
+    assert report["settings"]["tls"] == "both" and report["settings"]["url"].startswith("http://127.0.0.1:")
+    assert [(s["run"], s["transport"], s["kind"]) for s in report["samples"]] == [
+        (0, "http", "cold"), (0, "http", "after-other"), (0, "http", "reused"),
+        (0, "https", "cold"), (0, "https", "after-other"), (0, "https", "reused"),
+        (1, "https", "cold"), (1, "https", "after-other"), (1, "https", "reused"),
+        (1, "http", "cold"), (1, "http", "after-other"), (1, "http", "reused")]
+    assert {(s["kind"], s["cached_tokens"]) for s in report["samples"]} == {
+        ("cold", 0), ("after-other", 64 - NEW_TOKENS), ("reused", 64 - NEW_TOKENS)}
+    assert [(row["transport"], row["prompt_tokens"]) for row in report["rows"]] == [("http", 64), ("https", 64)]
+    assert "over https" in result.stderr and "https://127.0.0.1:" in result.stderr
+
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["transport", "prompt", "tokens"]
+    assert [line.split()[:2] for line in lines[1:3]] == [["http", "64"], ["https", "64"]]
+    ratio = report["rows"][1]["reused_ttft_ms"] / report["rows"][0]["reused_ttft_ms"]
+    assert lines[3] == f"reused TTFT, https over http: 64 tokens {ratio:.3f}"
+
+
+def test_tls_runs_local_nodes_only() -> None:
+    result = subprocess.run([TENZRO, "bench", "reuse", "--url", "http://127.0.0.1:1", "--tls", "on"],
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (
+        2, "tenzro: error: --tls runs local nodes; measure an https server by giving its --url\n")

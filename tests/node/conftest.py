@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -20,9 +21,18 @@ import pytest
 TENZRO = str(Path(sys.executable).parent / "tenzro")
 
 
+def unverified_context() -> ssl.SSLContext:
+    """For polling a `--tls` node's health before a test holds its certificate: the test pins it afterwards."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 def http_status(url: str) -> int:
+    context = unverified_context() if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
+        with urllib.request.urlopen(url, timeout=2, context=context) as response:
             return int(response.status)
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -65,20 +75,21 @@ class Node:
             return dict(json.load(response))
 
 
-def launch_node(tmp: Path, model: Path, *extra: str, config_text: str | None = None) -> Node:
-    """Start `tenzro node serve` without waiting; its output goes to `tmp/node.log`."""
+def launch_node(tmp: Path, model: Path, *extra: str, config_text: str | None = None, port: int | None = None) -> Node:
+    """Start `tenzro node serve` without waiting; its output goes to `tmp/node.log`. Its URL is https when `extra`
+    holds `--tls`."""
     env = {**os.environ, "TENZRO_HOME": str(tmp / "home")}
     tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "node.yaml"
     if config_text is not None:
         config.write_text(config_text)
-    port = free_port()
+    port = port or free_port()
     with (tmp / "node.log").open("w") as log:
         process = subprocess.Popen(
             [TENZRO, "node", "serve", "--model", str(model), "--port", str(port), "--config", str(config),
              "--threads", "1", *extra],
             env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    return Node(f"http://127.0.0.1:{port}", process, config, env)
+    return Node(f"{'https' if '--tls' in extra else 'http'}://127.0.0.1:{port}", process, config, env)
 
 
 def wait_healthy(node: Node, timeout_s: float = 120) -> Node:

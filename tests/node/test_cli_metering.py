@@ -450,3 +450,14 @@ def test_pricing_with_explicit_file_and_errors(tmp_path: Path, capsys: pytest.Ca
     assert code == 1
     assert out == "cannot set pricing: output_price_wei must be a non-negative integer (wei), got -1\n"
     assert not path.exists()
+
+
+def test_verify_shows_the_code_and_models_a_segment_names(tmp_path: Path, signer: NodeSigner,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    ledger = Ledger(tmp_path / "ledger", signer, BOOT_ID, evidence_digest=EVIDENCE_DIGEST, clock_ms=lambda: 5,
+                    code_digest="c0" * 32, model_digests={"default": "a1" * 32})
+    ledger.close()
+    code, out = run(["metering", "verify", str(ledger.path), "--node-key", signer.public_key_hex], capsys)
+    assert code == 0
+    assert out == (f"OK {ledger.path}: 0 records verified under key {signer.key_id} (evidence {EVIDENCE_DIGEST}; "
+                   f"code {'c0' * 32}; model default {'a1' * 32}); Merkle root {MerkleTree().root().hex()}\n")

@@ -172,8 +172,9 @@ def test_a_range_without_a_whole_page_is_refused(call: Callable[[int, int], bool
 def test_the_shipped_policies_load_as_node_policies() -> None:
     confidential, standard = (HygienePolicy(load_node_policy(name)) for name in ("confidential", "standard"))
     assert (confidential.name, confidential.policy.require) == ("confidential", NodeRequirements(True, True, True,
-                                                                                                  True))
-    assert (standard.name, standard.policy.require) == ("standard", NodeRequirements(False, False, False, False))
+                                                                                                  True, True))
+    assert (standard.name, standard.policy.require) == ("standard", NodeRequirements(False, False, False, False,
+                                                                                          False))
 
 
 def write_policy(tmp_path: Path, text: str) -> str:
@@ -187,21 +188,22 @@ SITE = "jurisdiction: DE\ntrust_tier: standard\n"
 
 def test_a_policy_file_by_path_loads(tmp_path: Path) -> None:
     path = write_policy(tmp_path, SITE + "require: {memory_locked: true, no_swap: false, sealing: true, "
-                                         "confidential_hardware: false}\n")
+                                         "confidential_hardware: false, tls: false}\n")
     assert HygienePolicy(load_node_policy(path)) == HygienePolicy(NodePolicy("site", "DE", "standard",
-                                                                 NodeRequirements(True, False, True, False)))
+                                                                 NodeRequirements(True, False, True, False, False)))
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    (SITE + "require: {memory_locked: true, no_swap: true, sealing: true, confidential_hardware: true, "
+    (SITE + "require: {memory_locked: true, no_swap: true, sealing: true, confidential_hardware: true, tls: true, "
             "no_dumps: true}\n",
      "unknown key(s) in 'require' of node policy 'site': no_dumps; allowed: memory_locked, no_swap, sealing, "
-     "confidential_hardware"),
+     "confidential_hardware, tls"),
     ("require: {memory_locked: true, no_swap: true, sealing: true}\n",
      "missing key(s) in 'policy' of node policy 'site': jurisdiction, trust_tier; every key is written out"),
     (SITE + "require: {memory_locked: true, no_swap: true, sealing: true}\n",
-     "missing key(s) in 'require' of node policy 'site': confidential_hardware; every key is written out"),
-    (SITE + "require: {memory_locked: yes please, no_swap: true, sealing: true, confidential_hardware: true}\n",
+     "missing key(s) in 'require' of node policy 'site': confidential_hardware, tls; every key is written out"),
+    (SITE + "require: {memory_locked: yes please, no_swap: true, sealing: true, confidential_hardware: true, "
+            "tls: true}\n",
      "'require.memory_locked' in node policy 'site' must be true or false"),
     ("- memory_locked\n", "'policy' in node policy 'site' must be a mapping"),
 ])

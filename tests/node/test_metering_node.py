@@ -146,7 +146,8 @@ def test_three_turn_conversation_is_metered_at_the_prices_set_through_the_cli(
         assert sla.returncode == 0, sla.stdout
         lines = sla.stdout.splitlines()
         assert lines[0].startswith(f"OK {segment}: 3 records verified under key {identity['key_id']} "
-                                   f"(evidence {head['evidence_digest']})")
+                                   f"(evidence {head['evidence_digest']}; code {identity['code']['digest']}; "
+                                   f"model {model} {identity['models'][0]['digest']})")
         assert lines[2:4] == ["requests 3, with a first token 3", f"ttft_ms <= {promise}: {share}"]
         # Nearest rank of 3 values: p50 is the 2nd, p90 and p99 the 3rd.
         assert [line.split() for line in lines[5:]] == [
