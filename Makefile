@@ -41,7 +41,7 @@ test: $(STAMP)
 	else echo "no second pass on transformers' forward: the first one ran it"; fi
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check node cache metering attestation policies router bench tests scripts setup.py
+	$(VENV)/bin/ruff check node cache metering attestation policies router bench client tests scripts setup.py
 	$(VENV)/bin/mypy
 
 clean:

@@ -19,6 +19,7 @@ from bench.reuse import add_reuse_bench
 from bench.route import add_route_bench
 from bench.scenarios import add_scenarios_bench
 from bench.seal import add_seal_bench
+from client.cli import add_client_commands
 from metering.ledger import LedgerError
 from metering.pricing import PricingError, load_pricing
 from node.audit_timing import add_audit_commands
@@ -351,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_hostile_bench(bench)
     add_audit_commands(groups)
     add_router_commands(groups)
+    add_client_commands(groups)
     attest = groups.add_parser("attest", help="attestation evidence").add_subparsers(dest="command", required=True)
     add_verify_parser(attest)
     return parser

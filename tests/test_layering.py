@@ -17,6 +17,7 @@ FORBIDDEN = {
     "policies": {"torch", "aiohttp", "node", "cache", "metering", "transformers"},
     "bench": {"node", "router", "metering", "attestation"},  # a client of a node: HTTP and the `tenzro` command
     "router": {"torch", "node", "transformers", "metering", "attestation"},
+    "client": {"torch", "node", "cache", "transformers", "metering", "router", "bench"},  # a caller: the verifier only
 }
 
 
