@@ -45,9 +45,16 @@ class PinnedChannel:
         """SHA-256 of the certificate's DER SubjectPublicKeyInfo: what the evidence binds."""
         return spki_sha256(self.certificate_der)
 
-    def ssl(self) -> aiohttp.Fingerprint:
+    def pin(self) -> aiohttp.Fingerprint:
         """For aiohttp's `ssl=`: a connection succeeds only to a peer presenting this certificate."""
         return aiohttp.Fingerprint(self.fingerprint)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """For any other client (httpx, and so the official openai client): a context trusting exactly this
+        certificate, TLS 1.3. The node's certificate names the addresses it serves on, which the context checks."""
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=self.certificate_der)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        return context
 
 
 def spki_sha256(certificate_der: bytes) -> bytes:

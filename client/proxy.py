@@ -93,7 +93,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
             return _refusal(exc.lines)
         try:
             upstream = await session.request(request.method, node.channel.url + request.rel_url.path_qs,
-                                             data=body, headers=headers, ssl=node.channel.ssl())
+                                             data=body, headers=headers, ssl=node.channel.pin())
         except (aiohttp.ServerFingerprintMismatch, aiohttp.ClientConnectorError) as exc:
             # Nothing of the request was sent: the handshake failed the pin, or there was no connection.
             log.warning("the pinned channel to %s failed (%s); verifying again", verifier.url, type(exc).__name__)

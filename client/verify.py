@@ -13,6 +13,7 @@ Only a node that passes all five is `ok`; whoever then sends prompts sends them 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any
 import aiohttp
 
 from attestation.errors import AttestationError
-from attestation.trust_policy import Presented, TrustPolicy, Verdict
+from attestation.trust_policy import Presented, TrustPolicy, Verdict, presented_by
 from attestation.verify import VerificationResult, verify_evidence
 from client.channel import ChannelError, PinnedChannel, open_channel
 
@@ -66,9 +67,8 @@ async def verify_node(url: str, policy: TrustPolicy, allow_none: bool = False,
         result = verify_evidence(document, policy.roots or NO_ROOTS, expected_nonce=nonce, allow_none=allow_none)
     except (AttestationError, OSError, ValueError) as exc:
         raise NodeRefused(["REFUSED", f"  evidence: {exc}"]) from exc
-    spki, code, models = bound_values(result)
-    presented = Presented(result.evidence_type, measurement=result.measurement_hex, code_digest=code,
-                          model_digests=models)
+    spki = bound_spki(result)
+    presented = presented_by(result)
     verdict = policy.judge(presented)
     if spki is None:
         verdict = _refuse(verdict, "channel: the evidence binds no TLS key (a v1 document): the channel is not "
@@ -82,11 +82,10 @@ async def verify_node(url: str, policy: TrustPolicy, allow_none: bool = False,
     return node
 
 
-def bound_values(result: VerificationResult) -> tuple[bytes | None, str | None, dict[str, str]]:
-    """(TLS SPKI SHA-256, code digest hex, {model id: digest hex}) as the verified binding vouches for them (a v1
-    document binds none of them)."""
-    spki = None if result.tls_spki_sha256_hex is None else bytes.fromhex(result.tls_spki_sha256_hex)
-    return spki, result.code_digest_hex, dict(result.model_digests)
+def bound_spki(result: VerificationResult) -> bytes | None:
+    """The TLS SPKI SHA-256 the verified binding vouches for (a v1 document, or a plain-HTTP node, binds none); the
+    code and model digests it binds are judged by the policy, through `presented_by`."""
+    return None if result.tls_spki_sha256_hex is None else bytes.fromhex(result.tls_spki_sha256_hex)
 
 
 def _refuse(verdict: Verdict, reason: str) -> Verdict:
@@ -98,7 +97,7 @@ async def _evidence(channel: PinnedChannel, nonce: bytes, session: aiohttp.Clien
     session = session or aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=EVIDENCE_TIMEOUT_S))
     try:
         async with session.get(f"{channel.url}/v1/attestation", params={"nonce": nonce.hex()},
-                               ssl=channel.ssl()) as response:
+                               ssl=channel.pin()) as response:
             if response.status != 200:
                 raise NodeRefused(["REFUSED", f"  evidence: GET /v1/attestation answered {response.status}"])
             document = await response.json()
@@ -113,3 +112,16 @@ async def _evidence(channel: PinnedChannel, nonce: bytes, session: aiohttp.Clien
     if not isinstance(document, dict):
         raise NodeRefused(["REFUSED", "  evidence: not a JSON object"])
     return document
+
+
+def verify(url: str, policy: TrustPolicy | str | os.PathLike[str], allow_none: bool = False) -> VerifiedNode:
+    """`verify_node` for code without an event loop: the Python API. Talk to the node afterwards only through the
+    pinned channel, e.g. with the official openai client:
+
+        node = verify("https://node:8080", "trust.yaml")
+        client = openai.OpenAI(base_url=node.channel.url + "/v1", api_key=KEY,
+                               http_client=openai.DefaultHttpxClient(verify=node.channel.ssl_context()))
+
+    Raises `NodeRefused`, whose `lines` say why."""
+    loaded = policy if isinstance(policy, TrustPolicy) else TrustPolicy.load(Path(policy))
+    return asyncio.run(verify_node(url, loaded, allow_none))

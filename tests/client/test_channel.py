@@ -41,10 +41,10 @@ async def test_the_channel_pins_the_first_certificate_and_refuses_any_other(tmp_
             Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
         assert channel.spki_sha256 == spki_sha256(genuine_der) == hashlib.sha256(spki).digest()
         async with aiohttp.ClientSession() as session:
-            async with session.get(f"{channel.url}/hello", ssl=channel.ssl()) as response:
+            async with session.get(f"{channel.url}/hello", ssl=channel.pin()) as response:
                 assert await response.text() == "genuine"
             with pytest.raises(aiohttp.ServerFingerprintMismatch):
-                await session.get(f"https://127.0.0.1:{other_port}/hello", ssl=channel.ssl())
+                await session.get(f"https://127.0.0.1:{other_port}/hello", ssl=channel.pin())
     finally:
         await first.cleanup()
         await second.cleanup()

@@ -24,6 +24,7 @@ import openai
 import pytest
 import yaml
 
+from client.verify import NodeRefused, verify
 from tests.client.tls_server import self_signed
 from tests.node.conftest import TENZRO, Node, NodeFactory, free_port, launch_node, stop_node, unverified_context
 
@@ -88,6 +89,17 @@ def test_client_verify_accepts_the_node_its_policy_names_and_refuses_another_cod
     (tmp_path / "pin.yaml").write_text(pin.stdout)
     again = tenzro("client", "verify", tls_node.url, "--trust-policy", str(tmp_path / "pin.yaml"), "--allow-none")
     assert again.returncode == 0, again.stdout
+
+    # In-process: the Python API, then the official openai client over the verified channel only.
+    node = verify(tls_node.url, tmp_path / "pin.yaml", allow_none=True)
+    caller = openai.OpenAI(base_url=node.channel.url + "/v1", api_key=tls_node.add_key("alice"), max_retries=0,
+                           http_client=openai.DefaultHttpxClient(verify=node.channel.ssl_context()))
+    reply = caller.chat.completions.create(model=model["model"], messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=2, temperature=0)
+    assert reply.usage is not None and reply.usage.completion_tokens == 2
+    with pytest.raises(NodeRefused) as refusal:
+        verify(tls_node.url, other_code, allow_none=True)
+    assert refusal.value.lines[1] == f"  code_digests: the node runs code {code}, which the policy does not accept"
 
 
 class Relay:
