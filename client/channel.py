@@ -58,6 +58,9 @@ class PinnedChannel:
 
 
 def spki_sha256(certificate_der: bytes) -> bytes:
+    """SHA-256 of a certificate's DER SubjectPublicKeyInfo (32 bytes): the value a client pins (as curl's
+    `--pinnedpubkey sha256//BASE64` does) and the attestation binding names. The same for any certificate of the
+    same key, whatever its dates or names; the node (`node/tls.py`) computes it here too."""
     public_key = x509.load_der_x509_certificate(certificate_der).public_key()
     return hashlib.sha256(public_key.public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)).digest()
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import base64
 import datetime
-import hashlib
 import ipaddress
 import os
 import ssl
@@ -45,6 +44,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from client.channel import spki_sha256
 
 CERTIFICATE_LIFETIME = datetime.timedelta(days=30)
 """How long after its start a node's certificate stays valid: a boot older than this is restarted."""
@@ -59,15 +60,6 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 class TlsError(RuntimeError):
     """TLS could not be set up at start; the message says why."""
-
-
-def spki_sha256(certificate_der: bytes) -> bytes:
-    """SHA-256 of a certificate's DER SubjectPublicKeyInfo (32 bytes): the value a client pins (as curl's
-    `--pinnedpubkey sha256//BASE64` and HPKP do) and the attestation binding names. The same for any
-    certificate of the same key, whatever its dates or names."""
-    public_key = x509.load_der_x509_certificate(certificate_der).public_key()
-    return hashlib.sha256(public_key.public_bytes(serialization.Encoding.DER,
-                                                  serialization.PublicFormat.SubjectPublicKeyInfo)).digest()
 
 
 @dataclass(frozen=True, slots=True)
