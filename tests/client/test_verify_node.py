@@ -165,9 +165,9 @@ def test_a_tls_terminating_man_in_the_middle_is_refused_before_any_prompt(tls_no
 class proxy:  # noqa: N801 - used as a context manager, like open()
     """`tenzro proxy` as a subprocess, ready once its health route answers (verified or not)."""
 
-    def __init__(self, node_url: str, policy: Path, port: int, *extra: str) -> None:
+    def __init__(self, node_url: str, policy: Path, port: int, *extra: str, allow_none: bool = True) -> None:
         self.process = subprocess.Popen([TENZRO, "proxy", "--node", node_url, "--trust-policy", str(policy),
-                                         "--port", str(port), "--allow-none", *extra],
+                                         "--port", str(port), *(["--allow-none"] if allow_none else []), *extra],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 60
         while True:
@@ -227,6 +227,13 @@ def test_the_openai_client_streams_through_the_proxy_which_verifies_a_restarted_
             caller.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=2)
         assert refusal.value.status_code == 503
         assert "model_digests: the node serves" in str(refusal.value.body)
+    # Without --allow-none the proxy refuses none evidence, whatever the policy accepts.
+    port = free_port()
+    with proxy(other.url, development_policy(tmp_path / "any.yaml"), port, allow_none=False):
+        caller = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="tz-unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as refusal:
+            caller.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=2)
+        assert refusal.value.status_code == 503 and "none-evidence" in str(refusal.value.body)
 
 
 def restart_on(port: int, before: Node, model: Path, tmp: Path) -> Node:
