@@ -1,11 +1,16 @@
-"""`tenzro attest verify EVIDENCE [--trust-root DIR]`: check an evidence document offline.
+"""`tenzro attest verify EVIDENCE [--trust-root DIR] [--trust-policy FILE]`: check an evidence document offline.
 
 `none` evidence has no hardware report and so no chain to a root: with `--allow-none` it needs no
 `--trust-root`; SEV-SNP and TDX evidence without one fail naming the root file they need.
 
+With `--trust-policy` (the caller's policy `tenzro client verify` takes) the evidence is verified as without it,
+against the policy's roots when `--trust-root` is not given, and then what it proves (measurement, code and model
+digests) is judged by the policy. `--allow-none` is still needed for `none` evidence: a policy allowing it does
+not stand in for the flag, so without the flag `none` evidence is refused whatever file is named.
+
 Prints one line per check that passed and exits 0; on the first failure prints the reason code and
-what was found to stderr and exits 1 (2 for a usage error). `node/cli.py` mounts the parser under
-`attest`; `python -m attestation.cli verify ...` runs the same command without the node installed.
+what was found to stderr and exits 1 (2 for a usage error, a malformed policy included). `node/cli.py` mounts the
+parser under `attest`; `python -m attestation.cli verify ...` runs the same command without the node installed.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from attestation.binding import NONCE_BYTES
 from attestation.chain import TrustRoots
 from attestation.checks import MEASUREMENT_BYTES, Check
 from attestation.errors import VerificationError
-from attestation.verify import verify_evidence
+from attestation.trust_policy import TrustPolicy, TrustPolicyError, presented_by
+from attestation.verify import VerificationResult, verify_evidence
 
 EXIT_VERIFIED = 0
 EXIT_REFUSED = 1
+EXIT_USAGE = 2
 
 NO_TRUST_ROOTS = TrustRoots(Path("<no --trust-root given>"), (), (), ())
 """The roots when none were given: enough for `none` evidence, which chains to nothing; hardware evidence
@@ -44,6 +51,10 @@ def add_verify_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                         help="the nonce you issued, 64 hex characters; without it freshness is not checked")
     verify.add_argument("--allow-none", action="store_true",
                         help="accept evidence of type none (a node without a TEE) as untrusted")
+    verify.add_argument("--trust-policy", metavar="FILE", type=Path,
+                        help="trust policy (YAML, as `tenzro client verify` takes): the measurement, code and model "
+                             "digests the evidence proves must be ones it accepts; its roots serve without "
+                             "--trust-root; none evidence still needs --allow-none")
     verify.set_defaults(func=run_verify)
     return verify
 
@@ -51,10 +62,16 @@ def add_verify_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 def run_verify(args: argparse.Namespace) -> int:
     """The handler: returns the exit code."""
     try:
+        policy = None if args.trust_policy is None else TrustPolicy.load(args.trust_policy)
+    except TrustPolicyError as exc:
+        print(f"tenzro: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    roots = args.trust_root or (policy.roots if policy is not None else None)
+    try:
         document = _read_document(args.evidence)
         result = verify_evidence(
             document,
-            args.trust_root or NO_TRUST_ROOTS,
+            roots or NO_TRUST_ROOTS,
             expected_nonce=args.nonce,
             expected_measurement=args.expect_measurement,
             allow_none=args.allow_none,
@@ -63,6 +80,11 @@ def run_verify(args: argparse.Namespace) -> int:
     except VerificationError as exc:
         print(f"FAILED {exc.reason}: {exc.message}", file=sys.stderr)
         return EXIT_REFUSED
+    if policy is not None:
+        lines, accepted = judged(policy, result)
+        print("\n".join(lines), file=sys.stdout if accepted else sys.stderr)
+        if not accepted:
+            return EXIT_REFUSED
     trust = "trusted" if result.trusted else "UNTRUSTED"
     print(f"verified: {result.evidence_type} evidence, {trust}, key {result.public_key_hex}, "
           f"boot {result.boot_id}, digest {result.digest}")
@@ -75,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code
+
+
+def judged(policy: TrustPolicy, result: VerificationResult) -> tuple[list[str], bool]:
+    """The policy's verdict on what verified evidence proves, and whether it accepts: the lines `attest verify` and
+    `metering verify` print, the first saying it is the trust policy's among the verifier's own."""
+    verdict = policy.judge(presented_by(result))
+    head, *reasons = verdict.lines()
+    return [f"trust policy: {head}", *reasons], verdict.ok
 
 
 def _read_document(path: Path) -> Any:

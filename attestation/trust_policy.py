@@ -18,7 +18,9 @@ requirement cannot silently accept everything.
 pinned. A requirement whose value the evidence does not present (a TCB the verifier did not read, say) refuses: the
 check fails closed, never open.
 
-Pure: it parses the file and judges `Presented` values, which the verifier fills from evidence it has checked.
+Pure: it parses the file and judges `Presented` values, read off evidence the verifier has checked by
+`presented_by`: the one place every caller (`client`, `attest verify`, `metering verify`) turns a verification into
+what a policy judges, so they cannot come to judge different values.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Literal
 import yaml
 
 from attestation.evidence import EVIDENCE_TYPES
+from attestation.verify import VerificationResult
 
 ANY: Literal["any"] = "any"
 POLICY_KEYS = ("tee_types", "allow_none", "roots", "measurements", "rtmrs", "min_tcb", "code_digests",
@@ -62,6 +65,15 @@ class Presented:
     model_digests: Mapping[str, str] = field(default_factory=dict)
     """Served model id -> weight digest."""
     gpu_verified: bool = False
+
+
+def presented_by(result: VerificationResult) -> Presented:
+    """What verified evidence proves, for a policy to judge: the launch measurement the hardware signed, and the
+    code and model digests the binding ties to it (a v1 document binds neither, so a policy pinning them refuses
+    it). The verifier reads no RTMRs, TCB or GPU verdict into its result yet: they stay unpresented, and a policy
+    requiring them refuses."""
+    return Presented(result.evidence_type, measurement=result.measurement_hex, code_digest=result.code_digest_hex,
+                     model_digests=dict(result.model_digests))
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,11 @@ module imports only the standard library, `metering` and `attestation` (and `nod
 the auditor trusts (`--node-key`), or the attestation evidence each segment names (`--evidence`, by default
 the `<boot_id>.evidence.json` files the node writes beside its segments): the evidence must verify (against
 `--trust-root`; `none` evidence only with `--allow-none`, and then it is reported unattested), be the boot's
-own (its nonce derived from the boot id), and bind the very key that signs the segment. `metering bill` and
-`metering sla` take the same options and run the same verification first: a number read from a ledger proves
-only what its verification proves, so a ledger `verify` refuses gets neither a bill nor an SLA report.
+own (its nonce derived from the boot id), and bind the very key that signs the segment; with `--trust-policy` (the
+caller's policy, as `tenzro attest verify` takes it) what the evidence proves must then be what the policy accepts,
+its roots serving when `--trust-root` is not given. `metering bill` and `metering sla` take the same options and
+run the same verification first: a number read from a ledger proves only what its verification proves, so a ledger
+`verify` refuses gets neither a bill nor an SLA report.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from attestation.chain import TrustRoots, load_trust_roots
-from attestation.cli import NO_TRUST_ROOTS
+from attestation.cli import NO_TRUST_ROOTS, judged
 from attestation.errors import MalformedEvidence, VerificationError
 from attestation.evidence import evidence_digest
+from attestation.trust_policy import TrustPolicy, TrustPolicyError
 from attestation.verify import verify_evidence
 from metering.bill import Bill, UsageTotals, bill
 from metering.pricing import (
@@ -116,6 +119,10 @@ def _add_ledger_arguments(parser: argparse.ArgumentParser) -> None:
                         "intel_root.pem (see `tenzro attest verify`)")
     parser.add_argument("--allow-none", action="store_true",
                         help="accept evidence of type none (a node without a TEE), reported as unattested")
+    parser.add_argument("--trust-policy", metavar="FILE",
+                        help="trust policy (YAML, as `tenzro client verify` takes): each segment's evidence must "
+                             "prove a measurement, code and models it accepts; its roots serve without --trust-root; "
+                             "none evidence still needs --allow-none")
 
 
 def _add_window_arguments(parser: argparse.ArgumentParser) -> None:
@@ -170,11 +177,17 @@ def run_verify(args: argparse.Namespace) -> int:
     Returns the exit code: 0 when every segment verifies, 1 when one does not, 2 when no trust was named.
     `run_bill` and `run_sla` call it first.
     """
-    attested = bool(args.evidence or args.trust_root or args.allow_none)
+    attested = bool(args.evidence or args.trust_root or args.allow_none or args.trust_policy)
     if not args.node_key and not attested:
         print("cannot verify: say whose key to trust: --node-key HEX, or the attestation evidence each segment "
               "names (--trust-root DIR, --evidence FILE, --allow-none)")
         return 2
+    try:
+        policy = None if args.trust_policy is None else TrustPolicy.load(Path(args.trust_policy))
+    except TrustPolicyError as exc:
+        print(f"cannot verify: {exc}")
+        return 2
+    roots_directory = args.trust_root or (policy.roots if policy is not None else None)
     try:
         if args.tree_head:
             segments = segment_files(args.ledger)
@@ -187,7 +200,7 @@ def run_verify(args: argparse.Namespace) -> int:
             reports = verify_ledger(args.ledger, args.node_key)
         documents = _evidence_documents(args.evidence or [Path(args.ledger) if Path(args.ledger).is_dir()
                                                           else Path(args.ledger).parent]) if attested else {}
-        roots = load_trust_roots(args.trust_root) if args.trust_root else NO_TRUST_ROOTS
+        roots = load_trust_roots(roots_directory) if roots_directory else NO_TRUST_ROOTS
     except (OSError, SignatureInvalid, TreeHeadError, SegmentFormatError, VerificationError,
             MalformedEvidence) as exc:
         print(f"cannot verify: {exc}")
@@ -200,7 +213,7 @@ def run_verify(args: argparse.Namespace) -> int:
         print(format_verify_report(report))
         ok &= report.ok
         if attested and report.ok:
-            line, attested_ok = attest_segment(report, documents, roots, args.allow_none)
+            line, attested_ok = attest_segment(report, documents, roots, args.allow_none, policy)
             print(line)
             ok &= attested_ok
     return 0 if ok else 1
@@ -221,8 +234,9 @@ def _evidence_documents(paths: list[Path]) -> dict[str, dict[str, object]]:
 
 
 def attest_segment(report: VerifyReport, documents: dict[str, dict[str, object]], roots: TrustRoots,
-                   allow_none: bool) -> tuple[str, bool]:
-    """Whether the evidence a verified segment names verifies and binds the key that signed the segment."""
+                   allow_none: bool, policy: TrustPolicy | None = None) -> tuple[str, bool]:
+    """Whether the evidence a verified segment names verifies and binds the key that signed the segment, and then
+    whether `policy` accepts what it proves (the verdict's lines follow the segment's)."""
     header = report.header
     assert header is not None  # the segment verified
     document = documents.get(header.evidence_digest)
@@ -237,9 +251,14 @@ def attest_segment(report: VerifyReport, documents: dict[str, dict[str, object]]
         return (f"FAILED {report.path}: signed by key {header.public_key}, but its evidence binds key "
                 f"{result.public_key_hex}"), False
     if not result.trusted:  # none evidence: a claim by the node itself, accepted only because it was allowed
-        return (f"UNATTESTED {report.path}: key named by {result.evidence_type} evidence {result.digest}, "
-                "which no TEE vouches for (accepted with --allow-none)"), True
-    return f"ATTESTED {report.path}: key bound by {result.evidence_type} evidence {result.digest}", True
+        line = (f"UNATTESTED {report.path}: key named by {result.evidence_type} evidence {result.digest}, "
+                "which no TEE vouches for (accepted with --allow-none)")
+    else:
+        line = f"ATTESTED {report.path}: key bound by {result.evidence_type} evidence {result.digest}"
+    if policy is None:
+        return line, True
+    verdict, accepted = judged(policy, result)
+    return "\n".join([line, *verdict]), accepted
 
 
 def format_verify_report(report: VerifyReport) -> str:

@@ -9,7 +9,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from amd_forge import BOOT_ID, MEASUREMENT, NODE_KEY, NONCE, AmdPki, snp_evidence, snp_report, vcek_and_ask
+import yaml
+from amd_forge import (
+    BOOT_ID,
+    BOUND,
+    CODE_DIGEST,
+    MEASUREMENT,
+    MODEL_DIGEST,
+    NODE_KEY,
+    NONCE,
+    REPORT_DATA_V2,
+    AmdPki,
+    snp_evidence,
+    snp_report,
+    vcek_and_ask,
+)
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -136,3 +150,93 @@ def test_the_module_runs_as_a_command(snp_file: Path, trust_dir: Path) -> None:
     expected = f"FAILED measurement-mismatch: MEASUREMENT is {MEASUREMENT.hex()}, expected {bytes(48).hex()}\n"
     assert done.stderr == expected
     assert done.stdout.splitlines()[-1].startswith("ok policy: ")
+
+
+@pytest.fixture
+def snp_v2_file(tmp_path: Path, amd: AmdPki, vcek: tuple[ec.EllipticCurvePrivateKey, x509.Certificate]) -> Path:
+    """SEV-SNP evidence binding (v2) code CODE_DIGEST and the model `default` with weights MODEL_DIGEST."""
+    return write(tmp_path, snp_evidence(snp_report(vcek[0], REPORT_DATA_V2), vcek_and_ask(amd, vcek[1]), bound=BOUND))
+
+
+def trust_policy(tmp_path: Path, **changes: object) -> Path:
+    """A policy pinning what `snp_v2_file` proves, its roots `trust_dir` unless `changes` say otherwise."""
+    raw = {"tee_types": ["sev-snp"], "allow_none": False, "roots": "trust", "measurements": [MEASUREMENT.hex()],
+           "rtmrs": "any", "min_tcb": "any", "code_digests": [CODE_DIGEST.hex()],
+           "model_digests": {"default": [MODEL_DIGEST.hex()]}, "gpu": "optional", **changes}
+    path = tmp_path / "trust.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_a_trust_policy_accepts_what_the_evidence_proves_and_lends_its_roots(
+    snp_v2_file: Path, trust_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = trust_policy(tmp_path, roots=str(trust_dir))  # no --trust-root: the policy's roots verify the chain
+    assert main(["verify", str(snp_v2_file), "--nonce", NONCE.hex(), "--trust-policy", str(policy)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("ok report: ") and lines[1].startswith("ok certificate chain: ")
+    assert lines[-5:-1] == ["ok gpu: no GPU evidence (no NVIDIA driver on the node)", "trust policy: OK",
+                            "  rtmrs: any (not pinned)", "  min_tcb: any (not pinned)"]
+    assert lines[-1].startswith("verified: sev-snp evidence, trusted, key ")
+
+
+@pytest.mark.parametrize(("changes", "reason"), [
+    ({"measurements": ["ee" * 48]},
+     f"measurements: the node's launch measurement {MEASUREMENT.hex()} is not one the policy accepts"),
+    ({"code_digests": ["c1" * 32]},
+     f"code_digests: the node runs code {CODE_DIGEST.hex()}, which the policy does not accept"),
+    ({"model_digests": {"default": ["d2" * 32]}},
+     f"model_digests: the node serves default with weights {MODEL_DIGEST.hex()}, which the policy does not accept"),
+], ids=["measurement", "code", "model"])
+def test_a_trust_policy_refuses_naming_what_it_does_not_accept(
+    snp_v2_file: Path, trust_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, object],
+    reason: str
+) -> None:
+    policy = trust_policy(tmp_path, **changes)
+    code = main(["verify", str(snp_v2_file), "--trust-root", str(trust_dir), "--trust-policy", str(policy)])
+    output = capsys.readouterr()
+    assert code == 1
+    assert output.err == f"trust policy: REFUSED\n  {reason}\n"
+    assert output.out.splitlines()[-1] == "ok gpu: no GPU evidence (no NVIDIA driver on the node)"  # no verified line
+
+
+def test_a_v1_document_proves_no_code_so_a_policy_pinning_code_refuses_it(
+    snp_file: Path, trust_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    unpinned = trust_policy(tmp_path, roots=str(trust_dir), code_digests="any", model_digests="any")
+    assert main(["verify", str(snp_file), "--trust-policy", str(unpinned)]) == 0
+    assert capsys.readouterr().out.splitlines()[-6:-1] == [
+        "trust policy: OK", "  rtmrs: any (not pinned)", "  min_tcb: any (not pinned)",
+        "  code_digests: any (not pinned)", "  model_digests: any (not pinned)"]
+    pinned = trust_policy(tmp_path, roots=str(trust_dir), model_digests="any")
+    assert main(["verify", str(snp_file), "--trust-policy", str(pinned)]) == 1
+    assert capsys.readouterr().err == (
+        "trust policy: REFUSED\n  code_digests: the node runs code it did not name, which the policy does not accept\n")
+
+
+def test_none_evidence_needs_allow_none_even_under_a_policy_that_accepts_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = trust_policy(tmp_path, tee_types=["none"], allow_none=True, roots=None, measurements="any",
+                          code_digests="any", model_digests="any")
+    path = write(tmp_path, NONE)
+    assert main(["verify", str(path), "--trust-policy", str(policy)]) == 1
+    output = capsys.readouterr()
+    assert output.out == ""
+    assert output.err.startswith("FAILED none-evidence: the node runs without a TEE")
+    assert main(["verify", str(path), "--trust-policy", str(policy), "--allow-none"]) == 0
+    assert capsys.readouterr().out.splitlines()[-7:-1] == [
+        "trust policy: OK, UNTRUSTED (none evidence, accepted by allow_none)", "  measurements: any (not pinned)",
+        "  rtmrs: any (not pinned)", "  min_tcb: any (not pinned)", "  code_digests: any (not pinned)",
+        "  model_digests: any (not pinned)"]
+
+
+def test_a_malformed_trust_policy_is_a_usage_error(
+    snp_v2_file: Path, trust_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = trust_policy(tmp_path, measurement="any")
+    assert main(["verify", str(snp_v2_file), "--trust-root", str(trust_dir), "--trust-policy", str(policy)]) == 2
+    output = capsys.readouterr()
+    assert output.out == ""
+    assert output.err == ("tenzro: error: unknown trust policy keys measurement: the keys are tee_types, allow_none, "
+                          "roots, measurements, rtmrs, min_tcb, code_digests, model_digests, gpu\n")

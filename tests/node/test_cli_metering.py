@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
+from attestation.binding import BoundIdentity
 from attestation.evidence import Evidence
 from metering.bill import bill
 from metering.ledger import Ledger
@@ -461,3 +463,100 @@ def test_verify_shows_the_code_and_models_a_segment_names(tmp_path: Path, signer
     assert code == 0
     assert out == (f"OK {ledger.path}: 0 records verified under key {signer.key_id} (evidence {EVIDENCE_DIGEST}; "
                    f"code {'c0' * 32}; model default {'a1' * 32}); Merkle root {MerkleTree().root().hex()}\n")
+
+
+CODE, WEIGHTS = "c0" * 32, "a1" * 32
+NONE_EVIDENCE_V2 = Evidence(
+    evidence_type="none", source="none", report=b"", aux=b"", gpu=None, public_key=NONE_EVIDENCE.public_key,
+    boot_id=BOOT_ID, nonce=boot_nonce(BOOT_ID), bound=BoundIdentity.of(
+        tls_spki_sha256=None, code_digest=bytes.fromhex(CODE), model_digests=[("tiny", bytes.fromhex(WEIGHTS))]))
+"""What a plain-HTTP node without a TEE writes since binding v2: its key, code and model, claimed by itself."""
+
+
+@pytest.fixture
+def v2_ledger(tmp_path: Path, signer: NodeSigner) -> Ledger:
+    """One record, signed under the key NONE_EVIDENCE_V2 names, which sits beside the segment."""
+    with Ledger(tmp_path / "v2", signer, BOOT_ID, evidence_digest=NONE_EVIDENCE_V2.digest(), clock_ms=lambda: 5,
+                code_digest=CODE, model_digests={"tiny": WEIGHTS}) as ledger:
+        ledger.append(record_id="chatcmpl-0", caller_id="caller-a", model="tiny", status="completed",
+                      counts=TokenCounts(3, 0, 0, 2), prices=PRICES, latency=Latency(0, 90, 95))
+    (tmp_path / "v2" / f"{BOOT_ID}{EVIDENCE_SUFFIX}").write_text(json.dumps(NONE_EVIDENCE_V2.document()))
+    return ledger
+
+
+def none_policy(tmp_path: Path, **changes: object) -> str:
+    """A development policy: none evidence allowed, the code and model of NONE_EVIDENCE_V2 pinned."""
+    raw = {"tee_types": ["none"], "allow_none": True, "roots": None, "measurements": "any", "rtmrs": "any",
+           "min_tcb": "any", "code_digests": [CODE], "model_digests": {"tiny": [WEIGHTS]}, "gpu": "optional",
+           **changes}
+    path = tmp_path / "trust.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_judges_the_evidence_by_a_trust_policy(
+    v2_ledger: Ledger, tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra, _ = COMMANDS[command]
+    argv = ["metering", command, str(v2_ledger.path), "--allow-none", "--trust-policy", none_policy(tmp_path), *extra]
+    code, out = run(argv, capsys)
+    assert code == 0
+    assert out.splitlines()[1:6] == [
+        f"UNATTESTED {v2_ledger.path}: key named by none evidence {NONE_EVIDENCE_V2.digest()}, which no TEE vouches "
+        "for (accepted with --allow-none)",
+        "trust policy: OK, UNTRUSTED (none evidence, accepted by allow_none)",
+        "  measurements: any (not pinned)",
+        "  rtmrs: any (not pinned)",
+        "  min_tcb: any (not pinned)",
+    ]
+    report = {"verify": [], "bill": ["caller caller-a, all records, 1 segment(s)"],
+              "sla": ["caller caller-a, every model, all records, 1 segment(s)"]}[command]
+    assert out.splitlines()[6:7] == report
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(("changes", "reason"), [
+    ({"code_digests": ["c1" * 32]}, f"code_digests: the node runs code {CODE}, which the policy does not accept"),
+    ({"model_digests": {"tiny": ["a2" * 32]}},
+     f"model_digests: the node serves tiny with weights {WEIGHTS}, which the policy does not accept"),
+    ({"measurements": ["ee" * 48]}, "measurements: the node's launch measurement none is not one the policy accepts"),
+], ids=["code", "model", "measurement"])
+def test_every_command_refuses_what_the_trust_policy_does_not_accept_naming_it(
+    v2_ledger: Ledger, tmp_path: Path, command: str, changes: dict[str, object], reason: str,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra, refusal = COMMANDS[command]
+    argv = ["metering", command, str(v2_ledger.path), "--allow-none", "--trust-policy",
+            none_policy(tmp_path, **changes), *extra]
+    code, out = run(argv, capsys)
+    assert code == 1
+    assert out.splitlines()[2:] == ["trust policy: REFUSED", f"  {reason}", *refusal]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_refuses_none_evidence_without_allow_none_whatever_the_policy_allows(
+    v2_ledger: Ledger, tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra, refusal = COMMANDS[command]
+    code, out = run(["metering", command, str(v2_ledger.path), "--trust-policy", none_policy(tmp_path), *extra],
+                    capsys)
+    assert code == 1
+    assert out.splitlines()[1:] == [
+        f"FAILED {v2_ledger.path}: its evidence does not verify: none-evidence: the node runs without a TEE (evidence "
+        "type none); nothing binds its key to hardware. Allow it explicitly (allow_none / --allow-none) to accept "
+        "it as untrusted",
+        *refusal,
+    ]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_refuses_a_malformed_trust_policy(
+    v2_ledger: Ledger, tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra, refusal = COMMANDS[command]
+    argv = ["metering", command, str(v2_ledger.path), "--allow-none", "--trust-policy",
+            none_policy(tmp_path, gpu="maybe"), *extra]
+    code, out = run(argv, capsys)
+    assert code == 2
+    assert out.splitlines() == ["cannot verify: gpu: one of optional, required", *refusal]
