@@ -230,7 +230,7 @@ async def _providers(app: web.Application) -> AsyncIterator[None]:
     # No connection limit: each forwarded request holds one connection for as long as its answer streams,
     # and the nodes' queues, not the router, bound the work.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar())
-    registry = Registry(app[CONFIG].providers, session, app[CONFIG].settings)
+    registry = Registry(app[CONFIG].providers, session, app[CONFIG].settings, app[CONFIG].trust)
     app[SESSION], app[REGISTRY] = session, registry
     await registry.poll()
     polling = asyncio.create_task(registry.run())

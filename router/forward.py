@@ -110,7 +110,7 @@ def _passed_headers(upstream: aiohttp.ClientResponse, provider: str) -> dict[str
 
 
 async def _open(session: aiohttp.ClientSession, spec: ProviderSpec, forwarded: Forwarded,
-                settings: RouterSettings) -> tuple[aiohttp.ClientResponse, bytes]:
+                settings: RouterSettings, pin: aiohttp.Fingerprint | bool) -> tuple[aiohttp.ClientResponse, bytes]:
     """The provider's response and its first body bytes (empty for an empty body); raises ProviderFailed."""
     headers = {**forwarded.headers, "Authorization": f"Bearer {spec.api_key}", "Accept-Encoding": "identity"}
     timeout = aiohttp.ClientTimeout(sock_connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s)
@@ -118,7 +118,7 @@ async def _open(session: aiohttp.ClientSession, spec: ProviderSpec, forwarded: F
     try:
         async with asyncio.timeout(settings.first_byte_timeout_s):
             upstream = await session.post(spec.url + forwarded.path, data=forwarded.body, headers=headers,
-                                          timeout=timeout)
+                                          timeout=timeout, ssl=pin)
             if upstream.status in FAILURE_STATUSES:
                 body = b""
                 while len(body) < MAX_ERROR_BYTES and (chunk := await upstream.content.read(MAX_ERROR_BYTES
@@ -155,7 +155,7 @@ async def _relay(registry: Registry, session: aiohttp.ClientSession, spec: Provi
                  settings: RouterSettings, client: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     try:
-        upstream, first = await _open(session, spec, forwarded, settings)
+        upstream, first = await _open(session, spec, forwarded, settings, registry.pin(spec.name))
     except ProviderFailed as failure:
         verdict = FAILURE_STATUSES.get(failure.answer.status if failure.answer else 0, Verdict(True, False))
         if verdict.mark_down:

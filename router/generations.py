@@ -64,11 +64,11 @@ def record_id(value: object) -> str:
 
 
 async def _ask(session: aiohttp.ClientSession, spec: ProviderSpec, caller: str, record: str,
-               timeout: aiohttp.ClientTimeout) -> _Asked:
+               timeout: aiohttp.ClientTimeout, pin: aiohttp.Fingerprint | bool) -> _Asked:
     headers = {"Authorization": f"Bearer {spec.api_key}", CALLER_HEADER: caller, "Accept-Encoding": "identity"}
     try:
         async with session.get(spec.url + GENERATION_PATH, params={"id": record}, headers=headers,
-                               timeout=timeout) as response:
+                               timeout=timeout, ssl=pin) as response:
             if response.status == 404:
                 return _Asked(spec.name)
             if response.status != 200:
@@ -111,7 +111,8 @@ async def find_generation(registry: Registry, session: aiohttp.ClientSession, ti
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     specs = list(providers)
     up = [spec for spec in specs if registry.state(spec.name).up]
-    found, answered = await _first_found(asyncio.create_task(_ask(session, spec, caller, record, timeout))
+    found, answered = await _first_found(asyncio.create_task(_ask(session, spec, caller, record, timeout,
+                                                                  registry.pin(spec.name)))
                                          for spec in up)
     if found is not None:
         return found

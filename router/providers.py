@@ -21,6 +21,9 @@ retry elsewhere, never a request served outside its requirements.
         jurisdiction: DE               # optional declarations, until GET /v1/node says otherwise
         trust_tier: confidential
         evidence: sev-snp
+    trust:                             # optional: verify every provider before sending it anything
+      policy: trust.yaml               # a trust policy (attestation/trust_policy.py), relative to this file
+      allow_none: false                # accept providers without a TEE (development only)
     callers:
       alice:
         key_sha256: 64 hex characters  # printf %s "$KEY" | sha256sum
@@ -40,6 +43,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from attestation.trust_policy import TrustPolicy, TrustPolicyError
 from policies.jurisdiction import code_problem
 from policies.node_policy import TRUST_TIERS
 from policies.requirements import NO_TEE
@@ -48,7 +52,8 @@ from router.errors import RouterConfigError
 
 EVIDENCE_TYPES = (NO_TEE, "sev-snp", "tdx")
 PROVIDER_KEYS = ("name", "url", "api_key", "api_key_env", "models", "jurisdiction", "trust_tier", "evidence")
-TOP_KEYS = ("settings", "providers", "callers")
+TOP_KEYS = ("settings", "providers", "callers", "trust")
+TRUST_KEYS = ("policy", "allow_none")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -86,10 +91,23 @@ class RouterSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class RouterTrust:
+    """The router's own verification of its providers (`trust:` in the providers file): each provider's evidence
+    verified under this trust policy before anything is sent to it, and every request over a connection pinned to the
+    certificate that evidence binds (`router.registry`)."""
+
+    policy: TrustPolicy
+    allow_none: bool
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     providers: tuple[ProviderSpec, ...]
     callers: tuple[RouterCaller, ...]
     settings: RouterSettings = RouterSettings()
+    trust: RouterTrust | None = None
+    """None: no verification of the providers (their own `trusted` word and declarations stand), plain or
+    CA-verified connections."""
 
 
 def _mapping(raw: Any, where: str, allowed: tuple[str, ...]) -> dict[str, Any]:
@@ -167,8 +185,21 @@ def _provider(raw: Any, index: int, environ: Mapping[str, str]) -> ProviderSpec:
                         _declared(entry, where))
 
 
-def parse_router_config(raw: Any, environ: Mapping[str, str]) -> RouterConfig:
-    """A router's configuration from parsed YAML; `environ` resolves `api_key_env`."""
+def _trust(raw: Any, base: Path) -> RouterTrust:
+    entry = _mapping(raw, "trust", TRUST_KEYS)
+    if not isinstance(entry.get("policy"), str) or not isinstance(entry.get("allow_none", False), bool):
+        raise RouterConfigError("trust.policy must name a trust policy file (relative to the providers file), and "
+                                "trust.allow_none be true or false")
+    try:
+        policy = TrustPolicy.load(base / entry["policy"])
+    except TrustPolicyError as exc:
+        raise RouterConfigError(f"trust.policy: {exc}") from exc
+    return RouterTrust(policy, entry.get("allow_none", False))
+
+
+def parse_router_config(raw: Any, environ: Mapping[str, str], base: Path | None = None) -> RouterConfig:
+    """A router's configuration from parsed YAML; `environ` resolves `api_key_env`, `base` (the providers file's
+    directory) a relative trust policy path."""
     top = _mapping(raw, "the providers file", TOP_KEYS)
     listed = top.get("providers")
     if not isinstance(listed, list) or not listed:
@@ -180,7 +211,8 @@ def parse_router_config(raw: Any, environ: Mapping[str, str]) -> RouterConfig:
         raise RouterConfigError(f"provider name(s) {', '.join(duplicates)} appear more than once: names must be "
                                 f"unique")
     settings = _settings(top["settings"]) if top.get("settings") is not None else RouterSettings()
-    return RouterConfig(providers, parse_callers(top.get("callers")), settings)
+    trust = _trust(top["trust"], base or Path.cwd()) if top.get("trust") is not None else None
+    return RouterConfig(providers, parse_callers(top.get("callers")), settings, trust)
 
 
 def load_router_config(path: Path, environ: Mapping[str, str] | None = None) -> RouterConfig:
@@ -190,4 +222,4 @@ def load_router_config(path: Path, environ: Mapping[str, str] | None = None) -> 
         raise RouterConfigError(f"cannot read the providers file {path}: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
         raise RouterConfigError(f"{path} is not valid YAML: {exc}") from exc
-    return parse_router_config(raw, os.environ if environ is None else environ)
+    return parse_router_config(raw, os.environ if environ is None else environ, path.parent)

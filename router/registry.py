@@ -12,8 +12,16 @@ waiting and running requests less this router's then in flight). A finished requ
 counted until the next poll, it pushed an agent's next turn, sent as soon as the reply ends, off the node holding
 its conversation.
 
+With a trust policy (`trust:` in the providers file) the router verifies each provider itself before it polls or
+sends anything there (`client.verify`: the hardware, code, model and TLS channel under the policy, not the node's
+own word), and every connection to it, polls and forwarded requests alike, is pinned to the certificate that
+verification bound. A provider that does not verify is down, with the policy's reason. One whose certificate
+changes (a pinned connection fails: a restarted node has a new key) or whose `GET /v1/node` names another key than
+the one verified is down until it verifies again, which the next poll tries.
+
 This is the router's only state, and all of it is a cache of what the nodes say (plus the latency this router
-measured and the requests it has in flight), so routers can run side by side and be restarted at will.
+measured, the requests it has in flight and the verifications it made), so routers can run side by side and be
+restarted at will.
 """
 
 from __future__ import annotations
@@ -30,9 +38,10 @@ from urllib.parse import quote
 import aiohttp
 
 from cache.summary import SummaryError
+from client.verify import NodeRefused, VerifiedNode, verify_node
 from router.errors import ModelNotFound, NoProviderAvailable
 from router.node_info import NodeInfo, NodeInfoError, parse_node_info
-from router.providers import ProviderSpec, RouterSettings
+from router.providers import ProviderSpec, RouterSettings, RouterTrust
 from router.selection import Candidate
 from router.summaries import VerifiedSummary, WarmView, verify_summary
 
@@ -70,11 +79,13 @@ class ProviderState:
     """The number of the request this router last sent there (requests counted from 1 as sent); 0 for none."""
     latency_s: float | None = None
     summaries: dict[str, VerifiedSummary] = field(default_factory=dict)
+    verified: VerifiedNode | None = None
+    """Under a trust policy: the provider as last verified, whose certificate every connection is pinned to."""
 
 
 class Registry:
     def __init__(self, providers: Sequence[ProviderSpec], session: aiohttp.ClientSession,
-                 settings: RouterSettings) -> None:
+                 settings: RouterSettings, trust: RouterTrust | None = None) -> None:
         self._states = {provider.name: ProviderState(provider) for provider in providers}
         self._index = {provider.name: index for index, provider in enumerate(providers)}
         """Each provider's place in the file: a number, which a log line keeps when the node's privacy filter
@@ -84,6 +95,15 @@ class Registry:
         self._interval_s = settings.poll_interval_s
         self._refreshing: dict[str, asyncio.Task[None]] = {}
         self._sent = itertools.count(1)
+        self._trust = trust
+
+    def pin(self, name: str) -> aiohttp.Fingerprint | bool:
+        """aiohttp's `ssl=` for a connection to `name`: pinned to its verified certificate under a trust policy
+        (a provider not verified yet gets a pin no certificate matches: nothing is sent to it), else the default."""
+        if self._trust is None:
+            return True
+        verified = self._states[name].verified
+        return verified.channel.pin() if verified is not None else aiohttp.Fingerprint(bytes(32))
 
     def state(self, name: str) -> ProviderState:
         return self._states[name]
@@ -93,7 +113,8 @@ class Registry:
 
     async def _get_json(self, spec: ProviderSpec, path: str, keyed: bool) -> Any:
         headers = {"Authorization": f"Bearer {spec.api_key}"} if keyed else {}
-        async with self._session.get(spec.url + path, headers=headers, timeout=self._timeout) as response:
+        async with self._session.get(spec.url + path, headers=headers, timeout=self._timeout,
+                                     ssl=self.pin(spec.name)) as response:
             if response.status != 200:
                 raise PollFailed(f"{path.partition('?')[0]} answered {response.status}")
             return await response.json(content_type=None)
@@ -108,12 +129,18 @@ class Registry:
             return None
 
     async def poll_provider(self, state: ProviderState) -> None:
-        """Ask one provider how it is; mark it up with what it said, or down with why not."""
+        """Ask one provider how it is (verifying it first under a trust policy); mark it up with what it said, or
+        down with why not."""
         spec = state.spec
+        if self._trust is not None and state.verified is None and not await self._verify(state):
+            return
         try:
             health = await self._get_json(spec, "/health", keyed=True)
             ours = state.in_flight  # as the node counted them: read before anything else is awaited
             node = parse_node_info(await self._get_json(spec, "/v1/node", keyed=False), spec.declared)
+            if state.verified is not None and node.public_key.hex() != state.verified.result.public_key_hex:
+                state.verified = None
+                raise PollFailed("its node key is not the one verified: verifying it again")
             if not isinstance(health, dict) or health.get("status") != "ok":
                 raise PollFailed("/health does not say ok")
             held = [health.get(name, 0) for name in HEALTH_COUNTS]
@@ -123,6 +150,8 @@ class Registry:
             self.mark_down(spec.name, str(exc))
             return
         except POLL_FAILURES as exc:
+            if isinstance(exc, aiohttp.ServerFingerprintMismatch | aiohttp.ClientConnectorError):
+                state.verified = None  # another certificate, or nobody there: verify whoever answers next
             self.mark_down(spec.name, f"poll failed: {type(exc).__name__}")
             return
         found = await asyncio.gather(*(self._summary(spec, node, model) for model in spec.models))
@@ -135,6 +164,20 @@ class Registry:
         state.others = max(0, sum(held) - ours)
         state.summaries = {model: summary for model, summary in zip(spec.models, found, strict=True)
                            if summary is not None}
+
+    async def _verify(self, state: ProviderState) -> bool:
+        """Verify the provider under the router's trust policy; mark it down with the policy's reason if it fails."""
+        assert self._trust is not None
+        try:
+            state.verified = await verify_node(state.spec.url, self._trust.policy, self._trust.allow_none,
+                                               self._session)
+        except NodeRefused as exc:
+            reasons = [line.strip() for line in exc.lines[1:2]]
+            self.mark_down(state.spec.name, "not verified: " + ("; ".join(reasons) or "refused"))
+            return False
+        log.info("provider %s (providers[%d]) verified: key %s", state.spec.name, self._index[state.spec.name],
+                 state.verified.result.public_key_hex)
+        return True
 
     async def poll(self) -> None:
         await asyncio.gather(*(self.poll_provider(state) for state in self._states.values()))

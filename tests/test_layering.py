@@ -16,7 +16,8 @@ FORBIDDEN = {
     "cache": {"aiohttp", "node"},
     "policies": {"torch", "aiohttp", "node", "cache", "metering", "transformers"},
     "bench": {"node", "router", "metering", "attestation"},  # a client of a node: HTTP and the `tenzro` command
-    "router": {"torch", "node", "transformers", "metering", "attestation"},
+    # The router verifies its providers itself (issue 35): the caller's verifier (`client`) and the trust policy.
+    "router": {"torch", "node", "transformers", "metering"},
     "client": {"torch", "node", "cache", "transformers", "metering", "router", "bench"},  # a caller: the verifier only
 }
 

@@ -73,3 +73,6 @@ class Fleet:
 def fleet(aiohttp_server: Callable[..., Awaitable[TestServer]],
           aiohttp_client: Callable[..., Awaitable[TestClient]]) -> Fleet:
     return Fleet(aiohttp_server, aiohttp_client)
+
+
+from tests.node.conftest import node_factory  # noqa: E402, F401 - real nodes for tests/router/test_verified_providers.py
