@@ -9,7 +9,7 @@ requirement cannot silently accept everything.
     roots: roots/                 # AMD and Intel roots (`tenzro attest verify --trust-root`), relative to this file
     measurements: any | [HEX]     # SEV-SNP MEASUREMENT or TDX MRTD, 96 hex characters each
     rtmrs: any | [[HEX, HEX, HEX, HEX]]   # TDX RTMR0..3, each set accepted whole
-    min_tcb: any | {NAME: N}      # the least TCB component versions (SEV-SNP: bootloader, tee, snp, microcode)
+    min_tcb: any | {NAME: N}      # the least SEV-SNP REPORTED_TCB components: bl, tee, snp, ucode (fmc on Turin)
     code_digests: any | [HEX]     # the node's code identity (64 hex characters)
     model_digests: any | {MODEL_ID: [HEX]}   # per served model id, its accepted weight digests
     gpu: optional | required      # whether GPU evidence must be present and verified
@@ -70,10 +70,9 @@ class Presented:
 def presented_by(result: VerificationResult) -> Presented:
     """What verified evidence proves, for a policy to judge: the launch measurement the hardware signed, and the
     code and model digests the binding ties to it (a v1 document binds neither, so a policy pinning them refuses
-    it). The verifier reads no RTMRs, TCB or GPU verdict into its result yet: they stay unpresented, and a policy
-    requiring them refuses."""
-    return Presented(result.evidence_type, measurement=result.measurement_hex, code_digest=result.code_digest_hex,
-                     model_digests=dict(result.model_digests))
+    it), SEV-SNP's reported TCB and TDX's RTMRs. No GPU verdict yet (issue 36): a policy requiring it refuses."""
+    return Presented(result.evidence_type, measurement=result.measurement_hex, rtmrs=result.rtmrs_hex,
+                     tcb=result.tcb, code_digest=result.code_digest_hex, model_digests=dict(result.model_digests))
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +221,7 @@ def _min_tcb(value: Any) -> Literal["any"] | Mapping[str, int]:
     if (not isinstance(value, dict) or not value
             or not all(isinstance(k, str) and _TCB_NAME.fullmatch(k) and isinstance(v, int) and not isinstance(v, bool)
                        and 0 <= v <= 255 for k, v in value.items())):
-        raise TrustPolicyError("min_tcb: any, or a mapping of TCB component names (bootloader, tee, snp, microcode) "
+        raise TrustPolicyError("min_tcb: any, or a mapping of SEV-SNP TCB component names (bl, tee, snp, ucode, fmc) "
                                "to their least versions, 0 to 255")
     return dict(value)
 

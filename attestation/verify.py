@@ -20,8 +20,9 @@ from attestation.chain import TrustRoots, load_trust_roots
 from attestation.checks import Check, CheckSink, Expectations, check_gpu, check_nonce
 from attestation.errors import VerificationError
 from attestation.evidence import Evidence
+from attestation.snp_report import parse_snp_report, tcb_components
 from attestation.snp_verify import verify_snp
-from attestation.tdx import verify_tdx
+from attestation.tdx import parse_tdx_quote, verify_tdx
 
 HardwareVerifier = Callable[[Evidence, TrustRoots, Expectations, CheckSink], bytes]
 """Checks one evidence type's report, emitting each passed check; returns the launch measurement."""
@@ -44,6 +45,8 @@ class VerificationResult:
     tls_spki_sha256_hex: str | None  # SHA-256 of the node's TLS SubjectPublicKeyInfo; None: v1, or v2 without TLS
     code_digest_hex: str | None  # the code identity; None for v1
     model_digests: tuple[tuple[str, str], ...]  # (model id, digest hex), ascending by id; empty for v1
+    tcb: Mapping[str, int] | None = None  # SEV-SNP REPORTED_TCB's named components (the signing VCEK's); else None
+    rtmrs_hex: tuple[str, str, str, str] | None = None  # TDX RTMR0..3; else None
 
 
 def verify_evidence(
@@ -101,4 +104,16 @@ def verify_evidence(
         tls_spki_sha256_hex=None if bound is None or bound.tls_spki_sha256 is None else bound.tls_spki_sha256.hex(),
         code_digest_hex=None if bound is None else bound.code_digest.hex(),
         model_digests=() if bound is None else tuple((model.model_id, model.digest.hex()) for model in bound.models),
+        **_platform(evidence),
     )
+
+
+def _platform(evidence: Evidence) -> dict[str, Any]:
+    """The TCB (SEV-SNP) or RTMRs (TDX) of hardware evidence that verified, for a trust policy to judge."""
+    if evidence.evidence_type == "sev-snp":
+        report = parse_snp_report(evidence.report)
+        return {"tcb": tcb_components(report.reported_tcb, report.generation)}
+    if evidence.evidence_type == "tdx":
+        rtmrs = parse_tdx_quote(evidence.report).rtmrs
+        return {"rtmrs_hex": (rtmrs[0].hex(), rtmrs[1].hex(), rtmrs[2].hex(), rtmrs[3].hex())}
+    return {}

@@ -187,7 +187,8 @@ def test_a_trust_policy_accepts_what_the_evidence_proves_and_lends_its_roots(
      f"code_digests: the node runs code {CODE_DIGEST.hex()}, which the policy does not accept"),
     ({"model_digests": {"default": ["d2" * 32]}},
      f"model_digests: the node serves default with weights {MODEL_DIGEST.hex()}, which the policy does not accept"),
-], ids=["measurement", "code", "model"])
+    ({"min_tcb": {"snp": 9}}, "min_tcb: snp is 8, the policy requires at least 9"),
+], ids=["measurement", "code", "model", "tcb"])
 def test_a_trust_policy_refuses_naming_what_it_does_not_accept(
     snp_v2_file: Path, trust_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, object],
     reason: str
@@ -240,3 +241,12 @@ def test_a_malformed_trust_policy_is_a_usage_error(
     assert output.out == ""
     assert output.err == ("tenzro: error: unknown trust policy keys measurement: the keys are tee_types, allow_none, "
                           "roots, measurements, rtmrs, min_tcb, code_digests, model_digests, gpu\n")
+
+
+def test_a_trust_policy_judges_the_tcb_the_report_signed(
+    snp_v2_file: Path, trust_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # MILAN_TCB: bl 3, tee 0, snp 8, ucode 209, as REPORTED_TCB (the signing VCEK's).
+    policy = trust_policy(tmp_path, min_tcb={"bl": 3, "snp": 8, "ucode": 209})
+    assert main(["verify", str(snp_v2_file), "--trust-root", str(trust_dir), "--trust-policy", str(policy)]) == 0
+    assert "trust policy: OK" in capsys.readouterr().out.splitlines()
