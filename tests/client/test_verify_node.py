@@ -81,6 +81,11 @@ def test_client_verify_accepts_the_node_its_policy_names_and_refuses_another_cod
     strict = tenzro("client", "verify", tls_node.url, "--trust-policy", str(pinned))
     assert strict.returncode == 1 and "none-evidence" in strict.stdout
 
+    # Pin refuses none evidence without --allow-none (it would pin hardware evidence under the roots given).
+    roots = tmp_path / "roots"
+    roots.mkdir()
+    unpinned = tenzro("client", "pin", tls_node.url, "--roots", str(roots))
+    assert unpinned.returncode == 1 and "none-evidence" in unpinned.stderr and unpinned.stdout == ""
     # Pin writes exactly what was verified; it verifies again as it is.
     pin = tenzro("client", "pin", tls_node.url, "--allow-none")
     assert pin.returncode == 0, pin.stderr

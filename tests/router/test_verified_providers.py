@@ -56,6 +56,27 @@ def chat(base: str) -> tuple[int, str | None]:
         return exc.code, None
 
 
+def start_router(tmp_path: Path, nodes: list[tuple[str, Node]], policy: dict[str, object], allow_none: bool
+                 ) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """`tenzro router serve` over `nodes` under `policy`; its process, URL and log."""
+    (tmp_path / "trust.yaml").write_text(yaml.safe_dump(policy))
+    providers = {
+        "settings": {"poll_interval_s": 0.5},
+        "providers": [{"name": name, "url": node.url, "api_key": node.add_key("router", "router"), "models": ["small"]}
+                      for name, node in nodes],
+        "callers": {"alice": {"key_sha256": hashlib.sha256(CALLER_KEY.encode()).hexdigest()}},
+        "trust": {"policy": "trust.yaml", "allow_none": allow_none}}
+    (tmp_path / "providers.yaml").write_text(yaml.safe_dump(providers))
+    port = free_port()
+    log = tmp_path / "router.log"
+    with log.open("wb") as output:
+        router = subprocess.Popen([TENZRO, "router", "serve", "--providers", str(tmp_path / "providers.yaml"),
+                                   "--port", str(port)], stdout=output, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    wait(lambda: router_health(base).get("providers") == len(nodes), 60, "the router serving")
+    return router, base, log
+
+
 @pytest.fixture
 def other_weights(small_model_dir: Path, tmp_path: Path) -> Path:
     """The same model id (`small`) with other bytes: another weight digest."""
@@ -70,22 +91,8 @@ def test_the_router_sends_only_to_providers_that_verify_and_drops_a_restarted_on
     genuine, other = node_factory.all((small_model_dir, "--tls"), (other_weights, "--tls"))
     accepted = view(genuine)["models"][0]["digest"]  # type: ignore[index]
     assert accepted != view(other)["models"][0]["digest"]  # type: ignore[index]
-    (tmp_path / "trust.yaml").write_text(yaml.safe_dump({
-        "tee_types": ["none"], "allow_none": True, "roots": None, "measurements": "any", "rtmrs": "any",
-        "min_tcb": "any", "code_digests": "any", "model_digests": {"small": [accepted]}, "gpu": "optional"}))
-    providers = {
-        "settings": {"poll_interval_s": 0.5},
-        "providers": [{"name": name, "url": node.url, "api_key": node.add_key("router", "router"), "models": ["small"]}
-                      for name, node in (("genuine", genuine), ("other", other))],
-        "callers": {"alice": {"key_sha256": hashlib.sha256(CALLER_KEY.encode()).hexdigest()}},
-        "trust": {"policy": "trust.yaml", "allow_none": True}}
-    (tmp_path / "providers.yaml").write_text(yaml.safe_dump(providers))
-    port = free_port()
-    log = tmp_path / "router.log"
-    with log.open("wb") as output:
-        router = subprocess.Popen([TENZRO, "router", "serve", "--providers", str(tmp_path / "providers.yaml"),
-                                   "--port", str(port)], stdout=output, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    router, base, log = start_router(tmp_path, [("genuine", genuine), ("other", other)],
+                                     policy(model_digests={"small": [accepted]}), allow_none=True)
     try:
         wait(lambda: router_health(base).get("providers_up") == 1, 60, "the router verifying the genuine node")
         assert [chat(base) for _ in range(4)] == [(200, "genuine")] * 4
@@ -105,6 +112,26 @@ def test_the_router_sends_only_to_providers_that_verify_and_drops_a_restarted_on
         wait(lambda: router_health(base).get("providers_up") == 1, 60, "the router verifying the restarted node")
         assert chat(base) == (200, "genuine")
         assert log.read_text().count("(providers[0]) verified") == 2
+    finally:
+        router.terminate()
+        router.wait(timeout=10)
+
+
+def policy(**changes: object) -> dict[str, object]:
+    return {"tee_types": ["none"], "allow_none": True, "roots": None, "measurements": "any", "rtmrs": "any",
+            "min_tcb": "any", "code_digests": "any", "model_digests": "any", "gpu": "optional", **changes}
+
+
+def test_without_allow_none_the_router_never_verifies_a_node_without_a_tee(
+        node_factory: NodeFactory, small_model_dir: Path, tmp_path: Path) -> None:
+    node = node_factory(small_model_dir, "--tls")
+    router, base, log = start_router(tmp_path, [("plain", node)], policy(), allow_none=False)
+    try:
+        wait(lambda: "(providers[0]) is down" in log.read_text(), 30, "the router refusing the node")
+        time.sleep(1.5)  # three more polls: still refused
+        assert router_health(base).get("providers_up") == 0
+        assert chat(base)[0] == 503
+        assert "(providers[0]) verified" not in log.read_text()
     finally:
         router.terminate()
         router.wait(timeout=10)
