@@ -183,9 +183,7 @@ class Runner:
             self.prefill(seq)
         assert seq.prediction is not None
         logits = seq.prediction.logits()
-        if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:
-            # The end of everything stored is a resume point, as a reply's end is in `finish`.
-            seq.snapshots[len(prompt)] = self.loaded.state.snapshot(seq.cache)
+        self._snapshot_stored_end(seq, len(prompt))
         self.release(seq)
         self._store(seq.lane, scope, prompt, seq.cache, seq.snapshots)
         return logits, seq.restored
@@ -538,8 +536,7 @@ class Runner:
             if not seq.fed:
                 # The last token was sampled but not yet run: run it so the stored state ends with the reply.
                 self.loaded.extend([output[-1]], len(fed) - 1, seq.cache)
-            if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:
-                seq.snapshots[len(fed)] = self.loaded.state.snapshot(seq.cache)
+            self._snapshot_stored_end(seq, len(fed))
         # One run of digests for the index, the hot working cache and the remembered forms.
         held = self.prefix_cache.digest(request.scope, fed) if self.prefix_cache is not None else fed
         stored = self._store(seq.lane, request.scope, held, seq.cache, seq.snapshots)
@@ -553,6 +550,11 @@ class Runner:
                                 cached_write_tokens=written, output_ids=output, text=seq.detok.text,
                                 finish_reason=seq.finish_reason or "length", queue_wait_s=seq.queue_wait_s,
                                 ttft_s=seq.ttft, matched_tokens=matched)
+
+    def _snapshot_stored_end(self, seq: Running, end: int) -> None:
+        """The end of everything `seq` stores (its reply's, or a bare prompt's) is a resume point."""
+        if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:
+            seq.snapshots[end] = self.loaded.state.snapshot(seq.cache)
 
     def _record_reply(self, seq: Running) -> None:
         """Remember `seq`'s reply for its scope when its text is exactly its ids decoded (with no stop string cut
