@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -126,7 +126,7 @@ def create_app(verifier: Verifier) -> web.Application:
     app = web.Application(client_max_size=64 << 20)
     app[VERIFIER] = verifier
 
-    async def session_context(app: web.Application):  # type: ignore[no-untyped-def]
+    async def session_context(app: web.Application) -> AsyncIterator[None]:
         app[SESSION] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         try:
             await verifier.current()  # at start: a refusal is logged and answered per request

@@ -9,13 +9,11 @@ that says so too.
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import ssl
 import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,14 +24,18 @@ import yaml
 
 from client.verify import NodeRefused, verify
 from tests.client.tls_server import self_signed
-from tests.node.conftest import TENZRO, Node, NodeFactory, free_port, launch_node, stop_node, unverified_context
+from tests.node.conftest import (
+    TENZRO,
+    Node,
+    NodeFactory,
+    free_port,
+    launch_node,
+    node_view,
+    stop_node,
+    unverified_context,
+)
 
 PROMPT = "the verified channel carries this"
-
-
-def node_view(node: Node) -> dict[str, Any]:
-    with urllib.request.urlopen(node.url + "/v1/node", timeout=5, context=unverified_context()) as response:
-        return dict(json.load(response))
 
 
 def development_policy(path: Path, code: str | list[str] = "any", models: Any = "any") -> Path:

@@ -75,6 +75,14 @@ class Node:
             return dict(json.load(response))
 
 
+def node_view(node: Node) -> dict[str, Any]:
+    """The node's public `GET /v1/node`, over an unverified TLS connection for a `--tls` node (tests that verify
+    the node pin its certificate themselves)."""
+    context = unverified_context() if node.url.startswith("https:") else None
+    with urllib.request.urlopen(node.url + "/v1/node", timeout=5, context=context) as response:
+        return dict(json.load(response))
+
+
 def launch_node(tmp: Path, model: Path, *extra: str, config_text: str | None = None, port: int | None = None) -> Node:
     """Start `tenzro node serve` without waiting; its output goes to `tmp/node.log`. Its URL is https when `extra`
     holds `--tls`."""

@@ -19,15 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.node.conftest import Node, NodeFactory, free_port, launch_node, stop_node, unverified_context, wait_healthy
+from tests.node.conftest import Node, NodeFactory, free_port, launch_node, node_view, stop_node, wait_healthy
+from tests.router.test_real_nodes import wait
 
 TENZRO = str(Path(sys.executable).parent / "tenzro")
 CALLER_KEY = "tz-test-verified-router-caller"
-
-
-def view(node: Node) -> dict[str, object]:
-    with urllib.request.urlopen(node.url + "/v1/node", timeout=5, context=unverified_context()) as response:
-        return dict(json.load(response))
 
 
 def router_health(base: str) -> dict[str, object]:
@@ -36,13 +32,6 @@ def router_health(base: str) -> dict[str, object]:
             return dict(json.load(response))
     except OSError:
         return {}
-
-
-def wait(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen in {timeout_s} s"
-        time.sleep(0.2)
 
 
 def chat(base: str) -> tuple[int, str | None]:
@@ -89,8 +78,8 @@ def other_weights(small_model_dir: Path, tmp_path: Path) -> Path:
 def test_the_router_sends_only_to_providers_that_verify_and_drops_a_restarted_one_until_it_verifies_again(
         node_factory: NodeFactory, small_model_dir: Path, other_weights: Path, tmp_path: Path) -> None:
     genuine, other = node_factory.all((small_model_dir, "--tls"), (other_weights, "--tls"))
-    accepted = view(genuine)["models"][0]["digest"]  # type: ignore[index]
-    assert accepted != view(other)["models"][0]["digest"]  # type: ignore[index]
+    accepted = node_view(genuine)["models"][0]["digest"]
+    assert accepted != node_view(other)["models"][0]["digest"]
     router, base, log = start_router(tmp_path, [("genuine", genuine), ("other", other)],
                                      policy(model_digests={"small": [accepted]}), allow_none=True)
     try:
