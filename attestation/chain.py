@@ -15,10 +15,13 @@ The trust directory holds PEM files, each role under one fixed name:
     ask.pem         AMD SEV Key(s) (ASK) signed by an ARK. Optional: without it the ASK comes from
                     the evidence's certificate table, and is checked against ark.pem all the same.
     intel_root.pem  Intel SGX Root CA, self-signed, ECDSA P-256. Required for TDX.
+    nvidia_device_root.pem   NVIDIA Device Identity CA, self-signed, ECDSA P-384. Required for GPU evidence.
+    nvidia_rim_root.pem      NVIDIA CoRIM signing Root CA, self-signed, ECDSA P-384: the RIM files' root.
 
 AMD publishes ARK and ASK per product at https://kdsintf.amd.com/vcek/v1/<product>/cert_chain (ASK
 first, then ARK: split it into the two files); Intel publishes the root at
 https://certificates.trustedservices.intel.com/Intel_SGX_Provisioning_Certification_RootCA.pem.
+NVIDIA publishes both in nvtrust (`certs/verifier_device_root.pem`, `certs/verifier_RIM_root.pem`).
 Any other .pem file in the directory is an error: a root under a wrong name would otherwise be
 silently unused.
 """
@@ -32,7 +35,7 @@ from datetime import datetime
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
@@ -47,7 +50,9 @@ AMD_PSS_SALT_BYTES = 48
 ARK_FILE = "ark.pem"
 ASK_FILE = "ask.pem"
 INTEL_ROOT_FILE = "intel_root.pem"
-TRUST_ROOT_FILES = (ARK_FILE, ASK_FILE, INTEL_ROOT_FILE)
+NVIDIA_DEVICE_ROOT_FILE = "nvidia_device_root.pem"
+NVIDIA_RIM_ROOT_FILE = "nvidia_rim_root.pem"
+TRUST_ROOT_FILES = (ARK_FILE, ASK_FILE, INTEL_ROOT_FILE, NVIDIA_DEVICE_ROOT_FILE, NVIDIA_RIM_ROOT_FILE)
 
 
 def _verify_pss_sha384(key: CertificatePublicKeyTypes, certificate: x509.Certificate) -> None:
@@ -61,6 +66,12 @@ def _verify_ecdsa_sha256(key: CertificatePublicKeyTypes, certificate: x509.Certi
     if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
         raise InvalidSignature("the issuer's key is not EC P-256")
     key.verify(certificate.signature, certificate.tbs_certificate_bytes, ec.ECDSA(hashes.SHA256()))
+
+
+def _verify_ecdsa_sha384(key: CertificatePublicKeyTypes, certificate: x509.Certificate) -> None:
+    if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp384r1":
+        raise InvalidSignature("the issuer's key is not EC P-384")
+    key.verify(certificate.signature, certificate.tbs_certificate_bytes, ec.ECDSA(hashes.SHA384()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +95,9 @@ class SignatureScheme:
 
 AMD_SCHEME = SignatureScheme("RSASSA-PSS SHA-384 salt 48", SignatureAlgorithmOID.RSASSA_PSS, _verify_pss_sha384)
 INTEL_SCHEME = SignatureScheme("ECDSA P-256 SHA-256", SignatureAlgorithmOID.ECDSA_WITH_SHA256, _verify_ecdsa_sha256)
-SELF_SIGNED: dict[str, SignatureScheme] = {ARK_FILE: AMD_SCHEME, INTEL_ROOT_FILE: INTEL_SCHEME}
+NVIDIA_SCHEME = SignatureScheme("ECDSA P-384 SHA-384", SignatureAlgorithmOID.ECDSA_WITH_SHA384, _verify_ecdsa_sha384)
+SELF_SIGNED: dict[str, SignatureScheme] = {ARK_FILE: AMD_SCHEME, INTEL_ROOT_FILE: INTEL_SCHEME,
+                                           NVIDIA_DEVICE_ROOT_FILE: NVIDIA_SCHEME, NVIDIA_RIM_ROOT_FILE: NVIDIA_SCHEME}
 """Files whose certificates are roots, and the scheme each must be self-signed with."""
 
 
@@ -161,10 +174,13 @@ class TrustRoots:
     amd_arks: tuple[x509.Certificate, ...]
     amd_asks: tuple[x509.Certificate, ...]  # empty: take the ASK from the evidence
     intel_roots: tuple[x509.Certificate, ...]
+    nvidia_device_roots: tuple[x509.Certificate, ...] = ()
+    nvidia_rim_roots: tuple[x509.Certificate, ...] = ()
 
     def roots_in(self, file: str, evidence_type: str) -> tuple[x509.Certificate, ...]:
-        """The roots loaded from `file` (ARK_FILE or INTEL_ROOT_FILE); `missing-trust-root` when there are none."""
-        roots = {ARK_FILE: self.amd_arks, INTEL_ROOT_FILE: self.intel_roots}[file]
+        """The roots loaded from `file` (a self-signed role); `missing-trust-root` when there are none."""
+        roots = {ARK_FILE: self.amd_arks, INTEL_ROOT_FILE: self.intel_roots,
+                 NVIDIA_DEVICE_ROOT_FILE: self.nvidia_device_roots, NVIDIA_RIM_ROOT_FILE: self.nvidia_rim_roots}[file]
         if not roots:
             raise VerificationError(
                 "missing-trust-root", f"{evidence_type} evidence needs {self.directory / file}, which is absent"
@@ -188,6 +204,8 @@ def load_trust_roots(directory: str | os.PathLike[str]) -> TrustRoots:
         amd_arks=_load(path / ARK_FILE),
         amd_asks=_load(path / ASK_FILE),
         intel_roots=_load(path / INTEL_ROOT_FILE),
+        nvidia_device_roots=_load(path / NVIDIA_DEVICE_ROOT_FILE),
+        nvidia_rim_roots=_load(path / NVIDIA_RIM_ROOT_FILE),
     )
 
 
@@ -207,3 +225,43 @@ def _load(file: Path) -> tuple[x509.Certificate, ...]:
                 "bad-trust-root", f"{describe(certificate)} in {file} is not a root self-signed with {scheme.name}"
             )
     return tuple(certificates)
+
+
+def check_crl(
+    certificate: x509.Certificate, issuer: x509.Certificate, crl_bytes: bytes, source: str, now: datetime
+) -> None:
+    """`certificate` must not be on `issuer`'s CRL (DER or PEM, read from `source`, a file name for messages).
+
+    The CRL must name `issuer`, verify under its key and be current at `now`; raises `VerificationError` with
+    `bad-collateral`, `expired-collateral` or `revoked`.
+    """
+    try:
+        crl = (x509.load_pem_x509_crl(crl_bytes) if crl_bytes.lstrip().startswith(b"-----")
+               else x509.load_der_x509_crl(crl_bytes))
+    except ValueError as exc:
+        raise VerificationError("bad-collateral", f"{source} is not a DER or PEM CRL: {exc}") from exc
+    if crl.issuer != issuer.subject:
+        raise VerificationError("bad-collateral", f"{source} is issued by {crl.issuer.rfc4514_string()}, not by "
+                                f"{describe(issuer)}, the issuer of {describe(certificate)}")
+    if not _crl_signature_valid(crl, issuer):
+        raise VerificationError("bad-collateral", f"{source}'s signature does not verify under {describe(issuer)}")
+    next_update = crl.next_update_utc
+    if not crl.last_update_utc <= now or (next_update is not None and now > next_update):
+        raise VerificationError(
+            "expired-collateral", f"{source} is current from {crl.last_update_utc.isoformat()} to "
+            f"{next_update.isoformat() if next_update else 'no next update'}, not at {now.isoformat()}")
+    revoked = crl.get_revoked_certificate_by_serial_number(certificate.serial_number)
+    if revoked is not None:
+        raise VerificationError("revoked", f"{describe(certificate)} (serial {certificate.serial_number:#x}) is "
+                                f"revoked by {describe(issuer)} since {revoked.revocation_date_utc.isoformat()} "
+                                f"({source})")
+
+
+def _crl_signature_valid(crl: x509.CertificateRevocationList, issuer: x509.Certificate) -> bool:
+    key = issuer.public_key()
+    if not isinstance(key, (ec.EllipticCurvePublicKey, rsa.RSAPublicKey)):
+        return False
+    try:
+        return crl.is_signature_valid(key)
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        return False

@@ -1,4 +1,4 @@
-"""The checks every kind of evidence shares: key binding, nonce, measurement and the GPU part.
+"""The checks every kind of evidence shares (key binding, nonce, measurement) and what verifiers hand back.
 
 A verifier reports each check that passed as a `Check` line, in order, through a callback: a
 command-line tool prints them as they pass, so a refusal still shows how far the evidence got.
@@ -7,18 +7,17 @@ command-line tool prints them as they pass, so a refusal still shows how far the
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from attestation.binding import NONCE_BYTES, binding_digest, report_data_for
+from attestation.binding import NONCE_BYTES, report_data_for
+from attestation.collateral import NO_COLLATERAL, Collateral
 from attestation.errors import VerificationError
 from attestation.evidence import Evidence
 
 MEASUREMENT_BYTES = 48
 """SEV-SNP MEASUREMENT and TDX MRTD are both SHA-384 digests."""
-SPDM_REQUEST_NONCE = slice(4, 36)
-"""The nonce in a GPU report's SPDM GET_MEASUREMENTS request (NVIDIA nvtrust)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +33,51 @@ CheckSink = Callable[[Check], None]
 
 
 @dataclass(frozen=True, slots=True)
+class SnpGuest:
+    """What a verified SEV-SNP report says of its guest, for a trust policy to judge."""
+
+    signing_key: str  # "VCEK" or "VLEK"
+    product: str | None  # "Milan", "Genoa", "Turin"; None when neither the report nor the chain names it
+    vmpl: int
+    policy: int  # the guest policy (u64): bit 16 SMT, 18 MIGRATE_MA, 19 DEBUG, 20 SINGLE_SOCKET, ...
+    host_data: bytes  # [32]
+    id_key_digest: bytes  # [48]
+    author_key_digest: bytes  # [48]
+    family_id: bytes  # [16]
+    image_id: bytes  # [16]
+
+
+@dataclass(frozen=True, slots=True)
+class Platform:
+    """What one hardware verifier proved beyond the checks it emitted: the values a trust policy judges."""
+
+    measurement: bytes  # SNP MEASUREMENT or TDX MRTD
+    tcb: Mapping[str, int] | None = None  # SEV-SNP REPORTED_TCB's named components
+    tcb_status: str | None = None  # TDX: Intel's status (UpToDate, OutOfDate, ...); None: not evaluated
+    advisory_ids: tuple[str, ...] = ()  # Intel advisories of the matched TCB levels
+    rtmrs: tuple[bytes, bytes, bytes, bytes] | None = None  # TDX RTMR0..3
+    snp: SnpGuest | None = None
+    not_checked: tuple[str, ...] = ()  # what this verifier could not check, one phrase each ("revocation: ...")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuResult:
+    """What the GPU part of the evidence proved."""
+
+    verified: bool  # CC on and every device's chain, SPDM signature and nonce verified
+    devices: int  # GPU reports checked
+    measurements_checked: bool  # every device's measurements matched NVIDIA's signed reference values
+    not_checked: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Expectations:
     """What the verifier requires beyond the hardware's signature."""
 
     nonce: bytes | None  # the nonce this verifier issued; None skips the freshness check
     measurement: bytes | None  # the expected 48-byte launch measurement; None reports it only
     now: datetime  # certificates must be valid at this time (timezone-aware)
+    collateral: Collateral = NO_COLLATERAL  # CRLs, Intel TCB info and QE identity, NVIDIA RIMs and OCSP
 
     def __post_init__(self) -> None:
         if self.nonce is not None and len(self.nonce) != NONCE_BYTES:
@@ -88,31 +126,3 @@ def check_measurement(measurement: bytes, expected: bytes | None, field: str) ->
             "measurement-mismatch", f"{field} is {measurement.hex()}, expected {expected.hex()}"
         )
     return Check("measurement", f"{field} {measurement.hex()} matches")
-
-
-def check_gpu(evidence: Evidence) -> Check:
-    """Every GPU report must have been requested with the binding digest as its nonce.
-
-    The SPDM signature over each report and its measurements against NVIDIA's reference values are
-    not checked here, and the CC state fields are the node's claims; the check line says so.
-    """
-    gpu = evidence.gpu
-    if gpu is None:
-        return Check("gpu", "no GPU evidence (no NVIDIA driver on the node)")
-    if not gpu.cc_enabled:
-        return Check("gpu", f"confidential computing off (environment {gpu.environment})")
-    digest = binding_digest(evidence.public_key, evidence.nonce, evidence.bound)
-    for device in gpu.devices:
-        requested = device.report[SPDM_REQUEST_NONCE]
-        if not hmac.compare_digest(requested, digest):
-            raise VerificationError(
-                "gpu-binding-mismatch",
-                f"GPU {device.index} ({device.uuid}) report was requested with nonce {requested.hex()}, "
-                f"not the binding digest {digest.hex()}",
-            )
-    return Check(
-        "gpu",
-        f"confidential computing on (environment {gpu.environment}, devtools {'on' if gpu.dev_tools else 'off'}, "
-        f"ready {gpu.ready}); {len(gpu.devices)} GPU report(s) bound to the key and nonce; "
-        "their SPDM signatures and measurements are not verified here",
-    )

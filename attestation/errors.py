@@ -29,7 +29,33 @@ REASONS: tuple[str, ...] = (
     "key-binding-mismatch",  # report_data is not the binding of the document's public key and nonce
     "nonce-mismatch",  # the document's nonce is not the verifier's nonce (a stale or replayed document)
     "gpu-binding-mismatch",  # a GPU attestation report was not requested with the binding digest as nonce
+    "revoked",  # a certificate on the path is named on its issuer's CRL (or a GPU OCSP response says revoked)
+    "missing-collateral",  # the collateral directory lacks what this evidence needs (Intel TCB info for its FMSPC...)
+    "bad-collateral",  # collateral (TCB info, QE identity, CRL, RIM, OCSP) is malformed or not signed to a trusted root
+    "expired-collateral",  # collateral is outside its issue/next-update window at the verification time
+    "qe-identity-mismatch",  # the TDX quoting enclave is not the one Intel's signed QE identity describes
+    "tcb-level-not-found",  # no TCB level in the vendor's signed TCB info matches the platform
+    "gpu-truncated-report",  # a GPU report is shorter than its SPDM request and response
+    "gpu-malformed-report",  # a GPU report's SPDM messages break their format
+    "gpu-bad-certificate",  # a GPU attestation certificate chain does not parse or lacks its leaf
+    "gpu-untrusted-chain",  # a GPU certificate chain does not reach NVIDIA's device root
+    "gpu-bad-signature",  # a GPU report's SPDM signature does not verify under the chain's leaf
+    "gpu-measurement-mismatch",  # a GPU measurement differs from the reference value of NVIDIA's signed RIM
 )
+
+
+POLICY_REASONS: tuple[str, ...] = (
+    "tee-type-not-accepted",  # the evidence type is not one the trust policy's tee_types lists
+    "workload-not-accepted",  # the launch measurement (SNP MEASUREMENT, TDX MRTD) or TDX RTMRs are not pinned values
+    "tcb-below-minimum",  # an SEV-SNP TCB component is below the policy's min_tcb, or the evidence presents no TCB
+    "tcb-status-not-accepted",  # the TDX TCB status is not one the policy accepts, or was not evaluated
+    "guest-policy-not-accepted",  # SEV-SNP VMPL, guest policy bits, HOST_DATA, ID/author key or family/image ids
+    "code-not-accepted",  # the bound code digest is not one the policy accepts
+    "model-not-accepted",  # a served model's weight digest is not one the policy accepts
+    "gpu-missing",  # the policy requires verified GPU evidence and the node presented none (or CC off)
+    "revocation-not-checked",  # the policy requires revocation checks and the collateral did not allow them
+)
+"""Why a trust policy refuses evidence that verified: `Verdict.refusals` carry one of these each."""
 
 
 class AttestationError(Exception):

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from attestation.chain import AMD_SCHEME, ARK_FILE, TrustRoots, describe_path, verify_chain
-from attestation.checks import Check, CheckSink, Expectations, check_key_binding, check_measurement
+from attestation.checks import Check, CheckSink, Expectations, Platform, check_key_binding, check_measurement
 from attestation.errors import VerificationError
 from attestation.evidence import Evidence
 from attestation.snp_report import (
@@ -59,8 +59,8 @@ HWID_BYTES = 64
 _DER_INTEGER, _DER_IA5STRING = 0x02, 0x16
 
 
-def verify_snp(evidence: Evidence, roots: TrustRoots, expect: Expectations, emit: CheckSink) -> bytes:
-    """Run every SEV-SNP check, emitting each that passes; returns the launch measurement."""
+def verify_snp(evidence: Evidence, roots: TrustRoots, expect: Expectations, emit: CheckSink) -> Platform:
+    """Run every SEV-SNP check, emitting each that passes; returns what the report proved."""
     report = parse_snp_report(evidence.report)
     _check_format(report)
     emit(Check("report", f"SEV-SNP version {report.version}, VMPL {report.vmpl}, {len(evidence.report)} bytes"))
@@ -88,7 +88,8 @@ def verify_snp(evidence: Evidence, roots: TrustRoots, expect: Expectations, emit
     emit(Check("policy", f"{report.policy:#x}, debug off"))
     emit(check_measurement(report.measurement, expect.measurement, "MEASUREMENT"))
     emit(check_key_binding(report.report_data, evidence))
-    return report.measurement
+    return Platform(report.measurement, tcb=tcb_components(report.reported_tcb, report.generation),
+                    not_checked=("revocation: AMD KDS CRLs are not consulted yet",))
 
 
 def _check_format(report: SnpReport) -> None:

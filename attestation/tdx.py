@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from attestation.chain import INTEL_ROOT_FILE, INTEL_SCHEME, TrustRoots, describe_path, verify_chain
-from attestation.checks import Check, CheckSink, Expectations, check_key_binding, check_measurement
+from attestation.checks import Check, CheckSink, Expectations, Platform, check_key_binding, check_measurement
 from attestation.errors import VerificationError
 from attestation.evidence import Evidence
 
@@ -150,8 +150,8 @@ class _Reader:
         return _Reader(self.take(offset + 6, size, what))
 
 
-def verify_tdx(evidence: Evidence, roots: TrustRoots, expect: Expectations, emit: CheckSink) -> bytes:
-    """Run every TDX check, emitting each that passes; returns MRTD."""
+def verify_tdx(evidence: Evidence, roots: TrustRoots, expect: Expectations, emit: CheckSink) -> Platform:
+    """Run every TDX check, emitting each that passes; returns what the quote proved."""
     quote = parse_tdx_quote(evidence.report)
     emit(Check("quote", f"TDX v{quote.version}, ECDSA P-256 attestation key, QE vendor {quote.qe_vendor_id.hex()}"))
 
@@ -191,7 +191,9 @@ def verify_tdx(evidence: Evidence, roots: TrustRoots, expect: Expectations, emit
     emit(Check("td attributes", f"{quote.td_attributes:#x}, debug off"))
     emit(check_measurement(quote.mrtd, expect.measurement, "MRTD"))
     emit(check_key_binding(quote.report_data, evidence))
-    return quote.mrtd
+    return Platform(quote.mrtd, rtmrs=quote.rtmrs, not_checked=(
+        "tcb status: Intel's TCB info and QE identity are not evaluated yet",
+        "revocation: Intel's CRLs are not consulted yet"))
 
 
 def _pck_chain(quote: TdxQuote) -> list[x509.Certificate]:

@@ -17,15 +17,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from attestation.chain import TrustRoots, load_trust_roots
-from attestation.checks import Check, CheckSink, Expectations, check_gpu, check_nonce
+from attestation.checks import Check, CheckSink, Expectations, GpuResult, Platform, SnpGuest, check_nonce
+from attestation.collateral import NO_COLLATERAL, Collateral, load_collateral
 from attestation.errors import VerificationError
 from attestation.evidence import Evidence
-from attestation.snp_report import parse_snp_report, tcb_components
+from attestation.gpu_verify import verify_gpu
 from attestation.snp_verify import verify_snp
-from attestation.tdx import parse_tdx_quote, verify_tdx
+from attestation.tdx import verify_tdx
 
-HardwareVerifier = Callable[[Evidence, TrustRoots, Expectations, CheckSink], bytes]
-"""Checks one evidence type's report, emitting each passed check; returns the launch measurement."""
+HardwareVerifier = Callable[[Evidence, TrustRoots, Expectations, CheckSink], Platform]
+"""Checks one evidence type's report, emitting each passed check; returns what it proved."""
 
 HARDWARE_VERIFIERS: dict[str, HardwareVerifier] = {"sev-snp": verify_snp, "tdx": verify_tdx}
 
@@ -47,6 +48,11 @@ class VerificationResult:
     model_digests: tuple[tuple[str, str], ...]  # (model id, digest hex), ascending by id; empty for v1
     tcb: Mapping[str, int] | None = None  # SEV-SNP REPORTED_TCB's named components (the signing VCEK's); else None
     rtmrs_hex: tuple[str, str, str, str] | None = None  # TDX RTMR0..3; else None
+    tcb_status: str | None = None  # TDX: Intel's TCB status of the platform and QE; None: not evaluated (or SNP)
+    advisory_ids: tuple[str, ...] = ()  # Intel security advisories the matched TCB levels name
+    snp: SnpGuest | None = None  # SEV-SNP guest facts (VMPL, policy, HOST_DATA, key digests, ids); else None
+    gpu: GpuResult | None = None  # None: the evidence has no GPU part
+    not_checked: tuple[str, ...] = ()  # what the verifier could not check (revocation without CRLs, ...)
 
 
 def verify_evidence(
@@ -58,14 +64,21 @@ def verify_evidence(
     allow_none: bool = False,
     now: datetime | None = None,
     on_check: CheckSink | None = None,
+    collateral: Collateral | str | os.PathLike[str] | None = None,
 ) -> VerificationResult:
-    """Verify evidence against the trust roots (a `TrustRoots` or its directory).
+    """Verify evidence against the trust roots (a `TrustRoots` or its directory) and vendor collateral (a
+    `Collateral` or its directory; without it TCB status and revocation are not evaluated, and the result says so).
 
     `expected_nonce` is the 32-byte nonce the verifier issued: without it a replayed document passes.
     `on_check` is called with each check as it passes. Raises `VerificationError`.
     """
     evidence = document if isinstance(document, Evidence) else Evidence.from_document(document)
-    expect = Expectations(nonce=expected_nonce, measurement=expected_measurement, now=now or datetime.now(UTC))
+    if collateral is None:
+        collateral = NO_COLLATERAL
+    elif not isinstance(collateral, Collateral):
+        collateral = load_collateral(collateral)
+    expect = Expectations(nonce=expected_nonce, measurement=expected_measurement, now=now or datetime.now(UTC),
+                          collateral=collateral)
     checks: list[Check] = []
 
     def emit(check: Check) -> None:
@@ -73,7 +86,10 @@ def verify_evidence(
         if on_check is not None:
             on_check(check)
 
-    measurement: bytes | None = None
+    platform: Platform | None = None
+    roots = trust_roots if isinstance(trust_roots, TrustRoots) else None
+    if not isinstance(trust_roots, TrustRoots) and (evidence.evidence_type != "none" or evidence.gpu is not None):
+        roots = load_trust_roots(trust_roots)
     if evidence.evidence_type == "none":
         if not allow_none:
             raise VerificationError(
@@ -85,11 +101,12 @@ def verify_evidence(
         if evidence.bound is not None:
             emit(Check("key binding", f"none: the node claims {evidence.bound.describe()}; no report binds them"))
     else:
-        roots = trust_roots if isinstance(trust_roots, TrustRoots) else load_trust_roots(trust_roots)
-        measurement = HARDWARE_VERIFIERS[evidence.evidence_type](evidence, roots, expect, emit)
+        assert roots is not None
+        platform = HARDWARE_VERIFIERS[evidence.evidence_type](evidence, roots, expect, emit)
     emit(check_nonce(evidence, expect.nonce))
-    emit(check_gpu(evidence))
+    gpu = verify_gpu(evidence, roots, expect, emit)
     bound = evidence.bound
+    rtmrs = None if platform is None else platform.rtmrs
     return VerificationResult(
         evidence_type=evidence.evidence_type,
         trusted=evidence.trusted,
@@ -97,23 +114,19 @@ def verify_evidence(
         boot_id=evidence.boot_id,
         nonce_hex=evidence.nonce.hex(),
         nonce_checked=expected_nonce is not None,
-        measurement_hex=None if measurement is None else measurement.hex(),
+        measurement_hex=None if platform is None else platform.measurement.hex(),
         digest=evidence.digest(),
         checks=tuple(checks),
         binding_version=1 if bound is None else 2,
         tls_spki_sha256_hex=None if bound is None or bound.tls_spki_sha256 is None else bound.tls_spki_sha256.hex(),
         code_digest_hex=None if bound is None else bound.code_digest.hex(),
         model_digests=() if bound is None else tuple((model.model_id, model.digest.hex()) for model in bound.models),
-        **_platform(evidence),
+        tcb=None if platform is None else platform.tcb,
+        rtmrs_hex=None if rtmrs is None else (rtmrs[0].hex(), rtmrs[1].hex(), rtmrs[2].hex(), rtmrs[3].hex()),
+        tcb_status=None if platform is None else platform.tcb_status,
+        advisory_ids=() if platform is None else platform.advisory_ids,
+        snp=None if platform is None else platform.snp,
+        gpu=gpu,
+        not_checked=(() if platform is None else platform.not_checked) + (() if gpu is None else gpu.not_checked),
     )
 
-
-def _platform(evidence: Evidence) -> dict[str, Any]:
-    """The TCB (SEV-SNP) or RTMRs (TDX) of hardware evidence that verified, for a trust policy to judge."""
-    if evidence.evidence_type == "sev-snp":
-        report = parse_snp_report(evidence.report)
-        return {"tcb": tcb_components(report.reported_tcb, report.generation)}
-    if evidence.evidence_type == "tdx":
-        rtmrs = parse_tdx_quote(evidence.report).rtmrs
-        return {"rtmrs_hex": (rtmrs[0].hex(), rtmrs[1].hex(), rtmrs[2].hex(), rtmrs[3].hex())}
-    return {}

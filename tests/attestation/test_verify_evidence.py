@@ -110,7 +110,7 @@ def test_a_misnamed_trust_root_is_an_error(tmp_path: Path, amd: AmdPki) -> None:
     evidence = replace(NONE, evidence_type="tdx", source="configfs-tsm", report=b"quote")
     assert refusal(evidence, tmp_path) == (
         "bad-trust-root", f"unknown files ['ARK.pem'] in {tmp_path}; trust roots are named ark.pem, ask.pem, "
-        "intel_root.pem",
+        "intel_root.pem, nvidia_device_root.pem, nvidia_rim_root.pem",
     )
 
 
