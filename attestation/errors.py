@@ -35,6 +35,7 @@ REASONS: tuple[str, ...] = (
     "expired-collateral",  # collateral is outside its issue/next-update window at the verification time
     "qe-identity-mismatch",  # the TDX quoting enclave is not the one Intel's signed QE identity describes
     "tcb-level-not-found",  # no TCB level in the vendor's signed TCB info matches the platform
+    "tdx-module-mismatch",  # the TD's MRSIGNERSEAM or SEAM attributes are not the TDX module Intel's TCB info names
     "gpu-truncated-report",  # a GPU report is shorter than its SPDM request and response
     "gpu-malformed-report",  # a GPU report's SPDM messages break their format
     "gpu-bad-certificate",  # a GPU attestation certificate chain does not parse or lacks its leaf
@@ -54,6 +55,7 @@ POLICY_REASONS: tuple[str, ...] = (
     "model-not-accepted",  # a served model's weight digest is not one the policy accepts
     "gpu-missing",  # the policy requires verified GPU evidence and the node presented none (or CC off)
     "revocation-not-checked",  # the policy requires revocation checks and the collateral did not allow them
+    "channel-not-attested",  # the TLS key the caller connected to is not the one the evidence binds (or none is bound)
 )
 """Why a trust policy refuses evidence that verified: `Verdict.refusals` carry one of these each."""
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from amd_forge import MEASUREMENT, NODE_KEY, NONCE, OTHER_NODE_KEY, pem
 from cryptography.hazmat.primitives.asymmetric import ec
-from intel_forge import INTEL_QE_VENDOR, MRTD, QE_AUTH_DATA, IntelPki, point, tdx_quote
+from intel_forge import INTEL_QE_VENDOR, MRTD, QE_AUTH_DATA, TEE_TCB_SVN, IntelPki, point, tdx_quote
 from verifying import refusal, verified
 
 from attestation.binding import report_data_for
@@ -38,12 +38,53 @@ def test_a_good_quote_passes_every_check_in_order(good_quote: bytes, trust_dir: 
         "qe report signature: ECDSA P-256 SHA-256 by the PCK key",
         "qe binding: QE REPORTDATA = SHA-256(attestation key || QE auth data) || zero",
         "quote signature: ECDSA P-256 SHA-256 over bytes [0x000, 0x278) by the attestation key",
-        f"tcb: TEE_TCB_SVN {bytes(16).hex()} (not evaluated: no Intel TCB collateral offline)",
+        "pck platform: FMSPC 50806f000000, PCEID 0000, PCESVN 11, SGX TCB components 3.3.2.2.2.1.0.2.0.0.0.0.0.0.0.0",
+        f"tcb: TEE_TCB_SVN {TEE_TCB_SVN.hex()} (not evaluated: no Intel TCB info or QE identity given)",
         "td attributes: 0x0, debug off",
         f"measurement: MRTD {MRTD.hex()} matches",
         f"key binding: report_data binds public key {NODE_KEY.hex()} and the nonce",
     ]
     assert (result.evidence_type, result.trusted, result.measurement_hex) == ("tdx", True, MRTD.hex())
+
+
+def test_without_collateral_the_tcb_status_is_none_and_what_was_not_checked_is_named(
+        good_quote: bytes, trust_dir: Path) -> None:
+    """The trust policy, not the verifier, refuses an unevaluated TCB: each absent file is named."""
+    result = verified(tdx_evidence(good_quote), trust_dir)
+    assert (result.tcb_status, result.advisory_ids) == (None, ())
+    assert result.not_checked == (
+        "tcb status: neither <no collateral given>/intel/tcb_info_50806f000000.json nor <no collateral given>/intel/"
+        "qe_identity.json was given: the quoting enclave's identity and the platform's TCB were not judged",
+        "revocation: <no collateral given>/intel/pck_crl_platform.der was not given: the PCK certificate was not "
+        "checked against the CRL of Intel SGX PCK Platform CA",
+        "revocation: <no collateral given>/intel/root_crl.der was not given: CN=Intel SGX PCK Platform CA not "
+        "checked against the Intel SGX Root CA's CRL",
+    )
+
+
+@pytest.mark.parametrize(("body_type", "signed_end", "name"), [(2, 0x27E, "TD 1.0"), (3, 0x2BE, "TD 1.5")])
+def test_a_v5_quote_verifies_over_its_descriptor_and_body(
+        intel: IntelPki, trust_dir: Path, body_type: int, signed_end: int, name: str) -> None:
+    quote = tdx_quote(intel, attestation_key=ATTESTATION_KEY, body_type=body_type)
+    parsed = parse_tdx_quote(quote)
+    assert (parsed.version, parsed.body_type, parsed.mrtd, parsed.report_data, len(parsed.signed_bytes)) == (
+        5, body_type, MRTD, report_data_for(NODE_KEY, NONCE), signed_end)
+    assert (parsed.tee_tcb_svn2, parsed.mrservicetd) == ((bytes(16), bytes(48)) if body_type == 3 else (None, None))
+    checks = [str(check) for check in verified(tdx_evidence(quote), trust_dir).checks]
+    assert checks[0] == f"quote: TDX v5 ({name} body), ECDSA P-256 attestation key, QE vendor {INTEL_QE_VENDOR.hex()}"
+    assert checks[4] == (
+        f"quote signature: ECDSA P-256 SHA-256 over bytes [0x000, {signed_end:#x}) by the attestation key")
+
+
+def test_a_changed_v5_body_fails(intel: IntelPki, trust_dir: Path) -> None:
+    quote = bytearray(tdx_quote(intel, body_type=3))
+    quote[0x2BD] ^= 1  # the last byte of MRSERVICETD
+    assert refusal(tdx_evidence(bytes(quote)), trust_dir)[0] == "bad-report-signature"
+
+
+def test_a_v5_body_type_of_an_sgx_enclave_is_unsupported(intel: IntelPki, trust_dir: Path) -> None:
+    assert refusal(tdx_evidence(tdx_quote(intel, body_type=1)), trust_dir) == (
+        "unsupported-report", "v5 quote body type 1; this verifier reads types 2 (TD 1.0 report) and 3 (TD 1.5 report)")
 
 
 def test_the_quote_parses_at_the_documented_offsets(good_quote: bytes) -> None:
@@ -130,10 +171,9 @@ def test_a_truncated_quote_fails(good_quote: bytes, trust_dir: Path, cut: int, w
 
 
 def test_a_quote_of_another_version_is_unsupported(intel: IntelPki, trust_dir: Path) -> None:
-    reason, message = refusal(tdx_evidence(tdx_quote(intel, version=5)), trust_dir)
-    assert (reason, message.startswith("quote version 5, attestation key type 2, TEE type 0x81")) == (
-        "unsupported-report", True
-    )
+    assert refusal(tdx_evidence(tdx_quote(intel, version=3)), trust_dir) == (
+        "unsupported-report", "quote version 3, attestation key type 2, TEE type 0x81; this verifier reads versions 4 "
+        "and 5, key type 2 (ECDSA P-256), TEE type 0x81 (TDX)")
 
 
 def test_a_signature_data_length_past_the_end_is_truncation(good_quote: bytes, trust_dir: Path) -> None:
