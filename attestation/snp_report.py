@@ -2,13 +2,20 @@
 
 Report offsets (SEV-SNP ABI, as go-sev-guest and virtee/sev read them), little-endian:
 
-    0x000 VERSION u32         0x008 POLICY u64 (bit 19 DEBUG)   0x034 SIGNATURE_ALGO u32 (1 = P-384/SHA-384)
-    0x038 CURRENT_TCB [8]     0x048 signer info u32 (bit 1 MASK_CHIP_KEY, bits 4:2 SIGNING_KEY, 0 = VCEK)
-    0x050 REPORT_DATA [64]    0x090 MEASUREMENT [48]            0x180 REPORTED_TCB [8]
+    0x000 VERSION u32         0x004 GUEST_SVN u32               0x008 POLICY u64
+    0x010 FAMILY_ID [16]      0x020 IMAGE_ID [16]               0x030 VMPL u32
+    0x034 SIGNATURE_ALGO u32 (1 = P-384/SHA-384)                0x038 CURRENT_TCB [8]
+    0x040 PLATFORM_INFO u64   0x048 signer info u32 (bit 0 AUTHOR_KEY_EN, bit 1 MASK_CHIP_KEY,
+                                    bits 4:2 SIGNING_KEY: 0 VCEK, 1 VLEK, 7 none; bits 31:5 reserved)
+    0x050 REPORT_DATA [64]    0x090 MEASUREMENT [48]            0x0C0 HOST_DATA [32]
+    0x0E0 ID_KEY_DIGEST [48]  0x110 AUTHOR_KEY_DIGEST [48]      0x180 REPORTED_TCB [8]
     0x188 CPUID family, model, stepping (v3+; reserved in v2)  0x1A0 CHIP_ID [64]
     0x1E0 COMMITTED_TCB [8]   0x2A0 SIGNATURE: R [72] || S [72], little-endian, rest zero up to 0x4A0
 
-The signature covers [0x000, 0x2A0). Every version has the same size and signed range.
+The signature covers [0x000, 0x2A0). Every version has the same size and signed range. Guest policy
+bits: 16 SMT, 17 reserved (must be 1), 18 MIGRATE_MA, 19 DEBUG, 20 SINGLE_SOCKET, 21-25 newer
+features, 63:26 reserved (must be 0). Reserved fields must be zero, as go-sev-guest's parser requires:
+a report that sets one was not made by AMD firmware of a version this verifier knows.
 
 The certificate table (configfs-tsm auxblob, or SNP_GET_EXT_REPORT's buffer) holds DER certificates:
 
@@ -32,9 +39,14 @@ SIGNATURE_COMPONENT_BYTES = 72
 SUPPORTED_VERSIONS = range(2, 6)
 SIGNATURE_ALGO_ECDSA_P384_SHA384 = 1
 POLICY_DEBUG_BIT = 19
+POLICY_RESERVED_ONE_BIT = 17
+POLICY_FIRST_RESERVED_ZERO_BIT = 26
+SIGNER_INFO_FIRST_RESERVED_BIT = 5
 SIGNING_KEY_VCEK = 0
+SIGNING_KEY_VLEK = 1
 SIGNING_KEY_NAMES = {0: "VCEK", 1: "VLEK", 7: "none"}
 
+Product = Literal["Milan", "Genoa", "Turin"]
 Generation = Literal["milan-genoa", "turin"]
 TCB_LAYOUTS: dict[Generation, dict[str, int]] = {
     # Zen 3/4: [0] BL, [1] TEE, [2..5] reserved SPL4-7, [6] SNP, [7] UCODE
@@ -43,7 +55,13 @@ TCB_LAYOUTS: dict[Generation, dict[str, int]] = {
     "turin": {"fmc": 0, "bl": 1, "tee": 2, "snp": 3, "ucode": 7},
 }
 """TCB_VERSION byte index of each named component, per processor generation (virtee/sev)."""
-CPUID_FAMILIES: dict[int, Generation] = {0x19: "milan-genoa", 0x1A: "turin"}
+GENERATIONS: dict[Product, Generation] = {"Milan": "milan-genoa", "Genoa": "milan-genoa", "Turin": "turin"}
+CPUID_MODELS: dict[int, tuple[tuple[Product, range], ...]] = {
+    0x19: (("Milan", range(0x00, 0x10)), ("Genoa", range(0x10, 0x20)), ("Genoa", range(0xA0, 0xB0))),
+    0x1A: (("Turin", range(0x00, 0x12)),),
+}
+"""CPUID family -> the model ranges of each product (virtee/sev `Generation::identify_cpu`; go-sev-guest names
+one model each, Milan 0x01, Genoa 0x11, Turin 0x02, all inside these). Family 0x1a's other models are Venice."""
 
 
 VCEK_GUID = uuid.UUID("63da758d-e664-4564-adc5-f4b93be8accd")
@@ -68,8 +86,13 @@ class SnpReport:
     report_data: bytes  # [64]
     measurement: bytes  # [48], the launch digest
     host_data: bytes  # [32]
+    family_id: bytes  # [16], from the ID block
+    image_id: bytes  # [16], from the ID block
+    id_key_digest: bytes  # [48], SHA-384 of the ID block's signing key; zero without an ID block
+    author_key_digest: bytes  # [48], SHA-384 of the ID key's author key; zero unless AUTHOR_KEY_EN
     reported_tcb: bytes  # [8], the TCB the signing VCEK was derived at
     cpuid_family: int | None  # family id byte at 0x188; None before v3
+    cpuid_model: int | None  # model id byte at 0x189; None before v3
     chip_id: bytes  # [64]; all zero when MASK_CHIP_KEY is set
     committed_tcb: bytes  # [8]
     signed_bytes: bytes  # [0x000, 0x2A0)
@@ -89,18 +112,22 @@ class SnpReport:
         return bool(self.signer_info >> 1 & 1)
 
     @property
-    def generation(self) -> Generation:
-        """Which TCB layout applies: from CPUID on v3+, from the CHIP_ID's shape on v2 (as virtee/sev does)."""
-        if self.cpuid_family is None:
-            turin_like = any(self.chip_id[:8]) and not any(self.chip_id[8:])
-            return "turin" if turin_like else "milan-genoa"
-        generation = CPUID_FAMILIES.get(self.cpuid_family)
-        if generation is None:
-            raise VerificationError(
-                "unsupported-report",
-                f"CPUID family {self.cpuid_family:#x} is neither Milan/Genoa (0x19) nor Turin (0x1a)",
-            )
-        return generation
+    def author_key_en(self) -> bool:
+        return bool(self.signer_info & 1)
+
+    @property
+    def product(self) -> Product | None:
+        """The processor the report's CPUID fields name (v3+); None for v2, where only the chain names it."""
+        if self.cpuid_family is None or self.cpuid_model is None:
+            return None
+        for product, models in CPUID_MODELS.get(self.cpuid_family, ()):
+            if self.cpuid_model in models:
+                return product
+        raise VerificationError(
+            "unsupported-report",
+            f"CPUID family {self.cpuid_family:#x} model {self.cpuid_model:#x} is no SEV-SNP processor this verifier "
+            "knows (Milan, Genoa: family 0x19; Turin: family 0x1a models 0x00-0x11)",
+        )
 
 
 def tcb_components(tcb: bytes, generation: Generation) -> dict[str, int]:
@@ -131,6 +158,7 @@ def parse_snp_report(data: bytes) -> SnpReport:
     tail = data[SIGNED_BYTES + 2 * SIGNATURE_COMPONENT_BYTES :]
     if any(tail):
         raise VerificationError("malformed-report", "bytes [0x330, 0x4A0) after the signature must be zero")
+    _check_reserved(data, version)
     signature = data[SIGNED_BYTES : SIGNED_BYTES + 2 * SIGNATURE_COMPONENT_BYTES]
     return SnpReport(
         version=version,
@@ -144,14 +172,41 @@ def parse_snp_report(data: bytes) -> SnpReport:
         report_data=data[0x050:0x090],
         measurement=data[0x090:0x0C0],
         host_data=data[0x0C0:0x0E0],
+        family_id=data[0x010:0x020],
+        image_id=data[0x020:0x030],
+        id_key_digest=data[0x0E0:0x110],
+        author_key_digest=data[0x110:0x140],
         reported_tcb=data[0x180:0x188],
         cpuid_family=data[0x188] if version >= 3 else None,
+        cpuid_model=data[0x189] if version >= 3 else None,
         chip_id=data[0x1A0:0x1E0],
         committed_tcb=data[0x1E0:0x1E8],
         signed_bytes=data[:SIGNED_BYTES],
         signature_r=signature[:SIGNATURE_COMPONENT_BYTES],
         signature_s=signature[SIGNATURE_COMPONENT_BYTES:],
     )
+
+
+def _check_reserved(data: bytes, version: int) -> None:
+    policy = int.from_bytes(data[0x008:0x010], "little")
+    if not policy >> POLICY_RESERVED_ONE_BIT & 1:
+        raise VerificationError(
+            "malformed-report",
+            f"guest policy {policy:#x} has reserved bit {POLICY_RESERVED_ONE_BIT} clear; it must be 1",
+        )
+    if policy >> POLICY_FIRST_RESERVED_ZERO_BIT:
+        raise VerificationError(
+            "malformed-report", f"guest policy {policy:#x} sets reserved bits 63:{POLICY_FIRST_RESERVED_ZERO_BIT}"
+        )
+    signer_info = _u32(data, 0x048)
+    if signer_info >> SIGNER_INFO_FIRST_RESERVED_BIT:
+        raise VerificationError(
+            "malformed-report", f"signer info {signer_info:#x} sets reserved bits 31:{SIGNER_INFO_FIRST_RESERVED_BIT}"
+        )
+    for start, end in ((0x04C, 0x050), (0x18B if version >= 3 else 0x188, 0x1A0), (0x1EB, 0x1EC), (0x1EF, 0x1F0),
+                       (0x208, SIGNED_BYTES)):
+        if any(data[start:end]):
+            raise VerificationError("malformed-report", f"reserved bytes [0x{start:03X}, 0x{end:03X}) are not zero")
 
 
 def _u32(data: bytes, offset: int) -> int:

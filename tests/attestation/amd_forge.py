@@ -1,14 +1,16 @@
-"""A made-up AMD key hierarchy (ARK -> ASK -> VCEK) and SEV-SNP reports signed by it, for tests.
+"""A made-up AMD key hierarchy (ARK -> ASK -> VCEK, ARK -> ASVK -> VLEK), its CRLs and SEV-SNP reports, for tests.
 
 Certificates are shaped like AMD KDS's: RSASSA-PSS SHA-384 salt 48 links, a P-384 VCEK carrying
-the TCB and HWID extensions. RSA keys are 2048-bit (real ones are 4096) so a session builds fast.
+the TCB and HWID extensions (Milan/Genoa or Turin layout), a VLEK carrying a CSP_ID instead.
+`amd_name` gives AMD's real subject names; `name` (the default) only the CN. RSA keys are 2048-bit
+(real ones are 4096) so a session builds fast.
 """
 
 from __future__ import annotations
 
 import struct
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Literal
@@ -22,7 +24,7 @@ from cryptography.x509.oid import NameOID
 
 from attestation.binding import BoundIdentity, report_data_for
 from attestation.evidence import Evidence
-from attestation.snp_report import ASK_GUID, ENTRY, VCEK_GUID
+from attestation.snp_report import ASK_GUID, ENTRY, VCEK_GUID, VLEK_GUID
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 NODE_KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32))).public_key().public_bytes(
@@ -40,12 +42,18 @@ BOUND = BoundIdentity.of(tls_spki_sha256=TLS_SPKI, code_digest=CODE_DIGEST, mode
 REPORT_DATA_V2 = report_data_for(NODE_KEY, NONCE, BOUND)
 
 MILAN_TCB = bytes([3, 0, 0, 0, 0, 0, 8, 209])  # bl=3 tee=0 snp=8 ucode=209 (>= 128: a two-byte DER INTEGER)
+TURIN_TCB = bytes([1, 4, 0, 3, 0, 0, 0, 72])  # fmc=1 bl=4 tee=0 snp=3 ucode=72
 CHIP_ID = bytes(range(64, 128))
+TURIN_HWID = bytes(range(1, 9))  # a Turin VCEK certifies 8 bytes; its CHIP_ID is them and 56 zero bytes
+CSP_ID = "Microsoft Azure"
 MEASUREMENT = bytes(range(48))
 POLICY = 0x30000  # SMT allowed, reserved bit 17 set, debug off
 PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA384()), salt_length=48)
-SPL_ARCS = {"bl": 1, "tee": 2, "snp": 3, "spl4": 4, "spl5": 5, "spl6": 6, "spl7": 7, "ucode": 8}
+SPL_ARCS = {"bl": 1, "tee": 2, "snp": 3, "spl4": 4, "spl5": 5, "spl6": 6, "spl7": 7, "ucode": 8, "fmc": 9}
 MILAN_BYTES = {"bl": 0, "tee": 1, "spl4": 2, "spl5": 3, "spl6": 4, "spl7": 5, "snp": 6, "ucode": 7}
+TURIN_BYTES = {"fmc": 0, "bl": 1, "tee": 2, "snp": 3, "spl5": 4, "spl6": 5, "spl7": 6, "ucode": 7}
+"""The real Turin VCEK (virtee/sev tests/certs_data/vcek_turin.der) has .3.5-.3.7 and FMC, and no .3.4."""
+Naming = Callable[[str], x509.Name]
 
 
 @dataclass(frozen=True)
@@ -55,10 +63,25 @@ class AmdPki:
     ark: x509.Certificate
     ask_key: rsa.RSAPrivateKey
     ask: x509.Certificate
+    asvk_key: rsa.RSAPrivateKey
+    asvk: x509.Certificate
+    naming: Naming
 
 
 def name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def amd_name(common_name: str) -> x509.Name:
+    """AMD KDS's subject names, attribute for attribute."""
+    return x509.Name([
+        x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "Engineering"),
+        x509.NameAttribute(NameOID.COUNTRY_NAME, "US"),
+        x509.NameAttribute(NameOID.LOCALITY_NAME, "Santa Clara"),
+        x509.NameAttribute(NameOID.STATE_OR_PROVINCE_NAME, "CA"),
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Advanced Micro Devices"),
+        x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+    ])
 
 
 def certificate(
@@ -68,14 +91,16 @@ def certificate(
     signing_key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey,
     extensions: Mapping[str, bytes] | None = None,
     not_after: datetime = NOW + timedelta(days=365),
+    naming: Naming = name,
+    serial_number: int | None = None,
 ) -> x509.Certificate:
     """A certificate signed the way its vendor signs: PSS SHA-384 for RSA keys, ECDSA SHA-256 for EC keys."""
     builder = (
         x509.CertificateBuilder()
-        .subject_name(name(subject))
-        .issuer_name(name(issuer))
+        .subject_name(naming(subject))
+        .issuer_name(naming(issuer))
         .public_key(public_key)
-        .serial_number(x509.random_serial_number())
+        .serial_number(serial_number or x509.random_serial_number())
         .not_valid_before(NOW - timedelta(days=30))
         .not_valid_after(not_after)
     )
@@ -86,12 +111,13 @@ def certificate(
     return builder.sign(signing_key, hashes.SHA256())
 
 
-def make_amd_pki(product: str = "Milan") -> AmdPki:
-    ark_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    ask_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    ark = certificate(f"ARK-{product}", f"ARK-{product}", ark_key.public_key(), ark_key)
-    ask = certificate(f"SEV-{product}", f"ARK-{product}", ask_key.public_key(), ark_key)
-    return AmdPki(product=product, ark_key=ark_key, ark=ark, ask_key=ask_key, ask=ask)
+def make_amd_pki(product: str = "Milan", naming: Naming = name) -> AmdPki:
+    ark_key, ask_key, asvk_key = (rsa.generate_private_key(public_exponent=65537, key_size=2048) for _ in range(3))
+    ark = certificate(f"ARK-{product}", f"ARK-{product}", ark_key.public_key(), ark_key, naming=naming)
+    ask = certificate(f"SEV-{product}", f"ARK-{product}", ask_key.public_key(), ark_key, naming=naming)
+    asvk = certificate(f"SEV-VLEK-{product}", f"ARK-{product}", asvk_key.public_key(), ark_key, naming=naming)
+    return AmdPki(product=product, ark_key=ark_key, ark=ark, ask_key=ask_key, ask=ask, asvk_key=asvk_key, asvk=asvk,
+                  naming=naming)
 
 
 def der_integer(value: int) -> bytes:
@@ -99,22 +125,76 @@ def der_integer(value: int) -> bytes:
     return bytes([0x02, len(content)]) + content
 
 
-def vcek_extensions(tcb: bytes = MILAN_TCB, hwid: bytes | None = CHIP_ID) -> dict[str, bytes]:
-    extensions = {"1.3.6.1.4.1.3704.1.2": b"\x16\x08Milan-B0"}
-    for component, arc in SPL_ARCS.items():
-        extensions[f"1.3.6.1.4.1.3704.1.3.{arc}"] = der_integer(tcb[MILAN_BYTES[component]])
+def ia5(text: str) -> bytes:
+    return bytes([0x16, len(text)]) + text.encode("ascii")
+
+
+def vcek_extensions(
+    tcb: bytes = MILAN_TCB, hwid: bytes | None = CHIP_ID, product_name: str = "Milan-B0",
+    layout: Mapping[str, int] = MILAN_BYTES,
+) -> dict[str, bytes]:
+    """The KDS extensions: product name, each SPL of `layout` read from `tcb`, the HWID."""
+    extensions = {"1.3.6.1.4.1.3704.1.2": ia5(product_name)}
+    for component, index in layout.items():
+        extensions[f"1.3.6.1.4.1.3704.1.3.{SPL_ARCS[component]}"] = der_integer(tcb[index])
     if hwid is not None:
         extensions["1.3.6.1.4.1.3704.1.4"] = hwid
     return extensions
 
 
 def make_vcek(
-    pki: AmdPki, tcb: bytes = MILAN_TCB, hwid: bytes | None = CHIP_ID, not_after: datetime = NOW + timedelta(days=365)
+    pki: AmdPki, tcb: bytes = MILAN_TCB, hwid: bytes | None = CHIP_ID, not_after: datetime = NOW + timedelta(days=365),
+    serial_number: int | None = None,
 ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP384R1())
     vcek = certificate("SEV-VCEK", f"SEV-{pki.product}", key.public_key(), pki.ask_key, vcek_extensions(tcb, hwid),
-                       not_after)
+                       not_after, pki.naming, serial_number)
     return key, vcek
+
+
+def with_serial_zero(cert: x509.Certificate, issuer_key: rsa.RSAPrivateKey) -> bytes:
+    """`cert` (serial 1, RSA-PSS signed) as DER with serial 0 and signed again: AMD KDS issues every VCEK with
+    serial 0, which cryptography's builder refuses to make. The one-byte serial keeps every length the same."""
+    original = der(cert)
+    tbs = bytearray(cert.tbs_certificate_bytes)
+    serial_at = 9  # SEQUENCE header (4 bytes), [0] { INTEGER 2 } (5 bytes), then INTEGER serial
+    assert tbs[serial_at : serial_at + 3] == b"\x02\x01\x01" and original.endswith(cert.signature)
+    tbs[serial_at + 2] = 0
+    signature = issuer_key.sign(bytes(tbs), PSS, hashes.SHA384())
+    start = original.index(cert.tbs_certificate_bytes)
+    body = original[: start] + bytes(tbs) + original[start + len(tbs) : -len(signature)]
+    return body + signature
+
+
+def make_turin_vcek(pki: AmdPki, tcb: bytes = TURIN_TCB) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A VCEK shaped like the real Turin one: product "Turin", FMC_SPL, an 8-byte HWID."""
+    key = ec.generate_private_key(ec.SECP384R1())
+    extensions = vcek_extensions(tcb, TURIN_HWID, "Turin", TURIN_BYTES)
+    return key, certificate("SEV-VCEK", f"SEV-{pki.product}", key.public_key(), pki.ask_key, extensions,
+                            naming=pki.naming)
+
+
+def make_vlek(pki: AmdPki, tcb: bytes = MILAN_TCB) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A VLEK: issued by the ASVK, product without stepping, CSP_ID instead of HWID."""
+    key = ec.generate_private_key(ec.SECP384R1())
+    extensions = {**vcek_extensions(tcb, None, pki.product), "1.3.6.1.4.1.3704.1.5": ia5(CSP_ID)}
+    return key, certificate("SEV-VLEK", f"SEV-VLEK-{pki.product}", key.public_key(), pki.asvk_key, extensions,
+                            naming=pki.naming)
+
+
+def make_crl(
+    pki: AmdPki, revoked: Sequence[x509.Certificate] = (), *, signer: rsa.RSAPrivateKey | None = None,
+    next_update: datetime = NOW + timedelta(days=7),
+) -> bytes:
+    """A DER CRL as AMD KDS serves it: issued by the ARK, RSASSA-PSS SHA-384, naming `revoked` by serial."""
+    builder = (x509.CertificateRevocationListBuilder().issuer_name(pki.ark.subject)
+               .last_update(NOW - timedelta(days=30)).next_update(next_update))
+    for cert in revoked:
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(cert.serial_number).revocation_date(NOW - timedelta(days=2))
+            .build())
+    crl = builder.sign(signer or pki.ark_key, hashes.SHA384(), rsa_padding=PSS)
+    return crl.public_bytes(serialization.Encoding.DER)
 
 
 def snp_report(
@@ -130,6 +210,7 @@ def snp_report(
     chip_id: bytes = CHIP_ID,
     measurement: bytes = MEASUREMENT,
     cpuid_family: int = 0x19,
+    cpuid_model: int = 0x01,
     signature_byte_order: Literal["little", "big"] = "little",
 ) -> bytes:
     """A signed 0x4A0-byte report; `signature_byte_order="big"` stores R and S the wrong way round."""
@@ -142,7 +223,7 @@ def snp_report(
     report[0x090:0x0C0] = measurement
     report[0x180:0x188] = reported_tcb
     if version >= 3:
-        report[0x188:0x18B] = bytes([cpuid_family, 0x01, 0x01])
+        report[0x188:0x18B] = bytes([cpuid_family, cpuid_model, 0x01])
     report[0x1A0:0x1E0] = chip_id
     report[0x1E0:0x1E8] = current_tcb if committed_tcb is None else committed_tcb
     r, s = decode_dss_signature(key.sign(bytes(report[:0x2A0]), ec.ECDSA(hashes.SHA384())))
@@ -165,6 +246,11 @@ def cert_table(certs: Mapping[uuid.UUID, bytes]) -> bytes:
 def vcek_and_ask(pki: AmdPki, vcek: x509.Certificate) -> bytes:
     """The certificate table a host supplies: the VCEK and the ASK, DER."""
     return cert_table({VCEK_GUID: der(vcek), ASK_GUID: der(pki.ask)})
+
+
+def vlek_and_asvk(pki: AmdPki, vlek: x509.Certificate) -> bytes:
+    """The certificate table of a VLEK report: the VLEK, and the ASVK under the ASK GUID (as go-sev-guest reads it)."""
+    return cert_table({VLEK_GUID: der(vlek), ASK_GUID: der(pki.asvk)})
 
 
 def der(cert: x509.Certificate) -> bytes:

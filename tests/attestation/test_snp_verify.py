@@ -10,6 +10,7 @@ import pytest
 from amd_forge import (
     BOOT_ID,
     CHIP_ID,
+    CSP_ID,
     MEASUREMENT,
     NODE_KEY,
     NONCE,
@@ -18,20 +19,24 @@ from amd_forge import (
     OTHER_NODE_KEY,
     AmdPki,
     cert_table,
+    certificate,
     der,
     make_vcek,
+    make_vlek,
     pem,
     snp_evidence,
     snp_report,
     vcek_and_ask,
+    vcek_extensions,
 )
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from verifying import refusal, verified
 
 from attestation.binding import report_data_for
+from attestation.checks import SnpGuest
 from attestation.evidence import Evidence
-from attestation.snp_report import VCEK_GUID
+from attestation.snp_report import ASK_GUID, VCEK_GUID
 
 Vcek = tuple[ec.EllipticCurvePrivateKey, x509.Certificate]
 
@@ -44,7 +49,7 @@ def good(amd: AmdPki, vcek: Vcek) -> Evidence:
 def test_a_good_report_passes_every_check_in_order(good: Evidence, trust_dir: Path) -> None:
     result = verified(good, trust_dir, expected_measurement=MEASUREMENT)
     assert [check.name for check in result.checks] == [
-        "report", "certificate chain", "report signature", "tcb", "chip id", "policy", "measurement",
+        "report", "certificate chain", "report signature", "product", "tcb", "chip id", "policy", "measurement",
         "key binding", "nonce", "gpu",
     ]
     details = {check.name: check.detail for check in result.checks}
@@ -53,6 +58,7 @@ def test_a_good_report_passes_every_check_in_order(good: Evidence, trust_dir: Pa
     assert details["tcb"] == (
         "milan-genoa bl=3 tee=0 spl4=0 spl5=0 spl6=0 spl7=0 snp=8 ucode=209 equals the VCEK's; current equals committed"
     )
+    assert details["product"] == "Milan: the report's CPUID family 0x19 model 0x01 and the chain agree"
     assert details["policy"] == "0x30000, debug off"
     assert details["measurement"] == f"MEASUREMENT {MEASUREMENT.hex()} matches"
     assert details["nonce"] == f"{NONCE.hex()} matches"
@@ -61,6 +67,10 @@ def test_a_good_report_passes_every_check_in_order(good: Evidence, trust_dir: Pa
     )
     assert (result.measurement_hex, result.nonce_hex, result.nonce_checked) == (MEASUREMENT.hex(), NONCE.hex(), True)
     assert result.digest == good.digest()
+    assert result.snp == SnpGuest(signing_key="VCEK", product="Milan", vmpl=0, policy=0x30000, host_data=bytes(32),
+                                  id_key_digest=bytes(48), author_key_digest=bytes(48), family_id=bytes(16),
+                                  image_id=bytes(16))
+    assert result.not_checked == ("revocation: no AMD CRL for Milan in the collateral (no collateral given)",)
 
 
 def test_the_document_form_verifies_like_the_object(good: Evidence, trust_dir: Path) -> None:
@@ -74,7 +84,7 @@ def test_the_ask_may_come_from_the_trust_directory(amd: AmdPki, vcek: Vcek, tmp_
     assert verified(evidence, tmp_path).trusted
 
 
-@pytest.mark.parametrize("offset", [0x050, 0x090, 0x0C0, 0x180, 0x29F])
+@pytest.mark.parametrize("offset", [0x010, 0x050, 0x090, 0x0C0, 0x180, 0x1FF])
 def test_a_flipped_report_byte_breaks_the_signature(good: Evidence, trust_dir: Path, offset: int) -> None:
     report = bytearray(good.report)
     report[offset] ^= 0x01
@@ -217,8 +227,8 @@ def test_an_expired_vcek_fails(amd: AmdPki, trust_dir: Path) -> None:
 def test_a_report_without_a_vcek_fails(good: Evidence, trust_dir: Path) -> None:
     assert refusal(snp_evidence(good.report, b""), trust_dir) == (
         "missing-certificate",
-        "the evidence carries no VCEK: the host supplied no certificate table (auxblob), so the report's signing key "
-        "cannot be checked",
+        "the evidence carries no VCEK: the host supplied no certificate table (auxblob) or none with that key, so the "
+        "report's signing key cannot be checked",
     )
 
 
@@ -233,8 +243,11 @@ def test_a_trust_directory_without_an_ark_fails(good: Evidence, tmp_path: Path) 
     [
         (0x000, struct.pack("<I", 6), "SEV-SNP report version 6; this verifier reads versions 2 to 5"),
         (0x034, struct.pack("<I", 2), "signature algorithm 2; only 1 (ECDSA P-384 SHA-384) is known"),
-        (0x048, struct.pack("<I", 1 << 2), "the report is signed by VLEK; only VCEK reports are checked"),
+        (0x048, struct.pack("<I", 7 << 2), "the report is signed by none; only VCEK and VLEK reports are checked"),
+        (0x048, struct.pack("<I", 2 << 2),
+         "the report is signed by reserved value 2; only VCEK and VLEK reports are checked"),
     ],
+    ids=["version-6", "algorithm-2", "no-signing-key", "reserved-signing-key"],
 )
 def test_unsupported_reports_are_named(good: Evidence, trust_dir: Path, field: int, value: bytes, message: str) -> None:
     report = bytearray(good.report)
@@ -242,7 +255,62 @@ def test_unsupported_reports_are_named(good: Evidence, trust_dir: Path, field: i
     assert refusal(snp_evidence(bytes(report), good.aux), trust_dir) == ("unsupported-report", message)
 
 
-def test_a_version_2_report_verifies(amd: AmdPki, vcek: Vcek, trust_dir: Path) -> None:
-    evidence = snp_evidence(snp_report(vcek[0], version=2), vcek_and_ask(amd, vcek[1]))
-    assert verified(evidence, trust_dir).checks[0].detail == "SEV-SNP version 2, VMPL 0, 1184 bytes"
+@pytest.mark.parametrize("version", [2, 3, 4, 5])
+def test_report_versions_2_to_5_verify(amd: AmdPki, vcek: Vcek, trust_dir: Path, version: int) -> None:
+    evidence = snp_evidence(snp_report(vcek[0], version=version), vcek_and_ask(amd, vcek[1]))
+    details = {check.name: check.detail for check in verified(evidence, trust_dir).checks}
+    assert details["report"] == f"SEV-SNP version {version}, VMPL 0, 1184 bytes"
+    assert details["product"] == ("Milan, from the chain (a version 2 report names no CPUID)" if version == 2 else
+                                  "Milan: the report's CPUID family 0x19 model 0x01 and the chain agree")
 
+
+def test_a_vlek_report_without_a_vlek_fails(amd: AmdPki, vcek: Vcek, trust_dir: Path) -> None:
+    evidence = snp_evidence(snp_report(vcek[0], signer_info=1 << 2), vcek_and_ask(amd, vcek[1]))
+    assert refusal(evidence, trust_dir) == (
+        "missing-certificate",
+        "the evidence carries no VLEK: the host supplied no certificate table (auxblob) or none with that key, so the "
+        "report's signing key cannot be checked",
+    )
+
+
+def test_a_vlek_in_the_vcek_slot_is_not_a_vcek(amd: AmdPki, trust_dir: Path) -> None:
+    key, vlek = make_vlek(amd)
+    evidence = snp_evidence(snp_report(key), cert_table({VCEK_GUID: der(vlek), ASK_GUID: der(amd.asvk)}))
+    assert refusal(evidence, trust_dir) == (
+        "bad-certificate", f"the VCEK has a CSP_ID ({CSP_ID}): it is a VLEK"
+    )
+
+
+def test_a_vcek_issued_by_the_ark_itself_is_not_amds_chain(amd: AmdPki, trust_dir: Path) -> None:
+    key = ec.generate_private_key(ec.SECP384R1())
+    under_ark = certificate("SEV-VCEK", "ARK-Milan", key.public_key(), amd.ark_key, vcek_extensions())
+    evidence = snp_evidence(snp_report(key), cert_table({VCEK_GUID: der(under_ark)}))
+    assert refusal(evidence, trust_dir) == (
+        "untrusted-chain", "the VCEK is issued by CN=ARK-Milan, not by an ASK (SEV-Milan, SEV-Genoa, SEV-Turin)"
+    )
+
+
+
+def test_a_processor_this_verifier_does_not_know_is_unsupported(amd: AmdPki, vcek: Vcek, trust_dir: Path) -> None:
+    venice = snp_evidence(snp_report(vcek[0], cpuid_family=0x1A, cpuid_model=0x50), vcek_and_ask(amd, vcek[1]))
+    assert refusal(venice, trust_dir) == (
+        "unsupported-report",
+        "CPUID family 0x1a model 0x50 is no SEV-SNP processor this verifier knows (Milan, Genoa: family 0x19; Turin: "
+        "family 0x1a models 0x00-0x11)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "signer_info", "message"),
+    [
+        (0x10000, 0, "guest policy 0x10000 has reserved bit 17 clear; it must be 1"),
+        (0x30000 | 1 << 26, 0, "guest policy 0x4030000 sets reserved bits 63:26"),
+        (0x30000, 1 << 5, "signer info 0x20 sets reserved bits 31:5"),
+    ],
+    ids=["policy-bit-17-clear", "policy-bit-26", "signer-info-bit-5"],
+)
+def test_reserved_policy_and_signer_bits_are_malformed(
+    amd: AmdPki, vcek: Vcek, trust_dir: Path, policy: int, signer_info: int, message: str
+) -> None:
+    evidence = snp_evidence(snp_report(vcek[0], policy=policy, signer_info=signer_info), vcek_and_ask(amd, vcek[1]))
+    assert refusal(evidence, trust_dir) == ("malformed-report", message)
