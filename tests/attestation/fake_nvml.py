@@ -5,10 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pynvml
-
-SPDM_REQUEST_HEAD = bytes([0x11, 0xE0, 0x01, 0xFF])  # SPDM 1.1 GET_MEASUREMENTS, signature requested, all blocks
-SPDM_RESPONSE = bytes([0x11, 0x60, 0x00, 0x00]) + bytes(range(60))
-ATTESTATION_CHAIN = b"-----BEGIN CERTIFICATE-----\nZmFrZQ==\n-----END CERTIFICATE-----\n"
+from nvidia_forge import nvidia_pki, spdm_report
 
 
 @dataclass
@@ -75,7 +72,7 @@ class FakeNvml:
         assert len(nonce) == pynvml.NVML_CC_GPU_CEC_NONCE_SIZE
         report = pynvml.c_nvmlConfComputeGpuAttestationReport_t()
         report.nonce[:] = list(nonce)
-        data = SPDM_REQUEST_HEAD + bytes(report.nonce) + bytes([handle]) + SPDM_RESPONSE
+        data = spdm_report(nvidia_pki(), bytes(report.nonce))  # signed by the forged NVIDIA PKI's GPU leaf
         report.attestationReport[: len(data)] = list(data)
         report.attestationReportSize = len(data)
         return report
@@ -83,6 +80,7 @@ class FakeNvml:
     def nvmlDeviceGetConfComputeGpuCertificate(self, handle: int) -> pynvml.c_nvmlConfComputeGpuCertificate_t:
         self.calls.append(f"nvmlDeviceGetConfComputeGpuCertificate({handle})")
         certificate = pynvml.c_nvmlConfComputeGpuCertificate_t()
-        certificate.attestationCertChain[: len(ATTESTATION_CHAIN)] = list(ATTESTATION_CHAIN)
-        certificate.attestationCertChainSize = len(ATTESTATION_CHAIN)
+        chain = nvidia_pki().chain_pem()
+        certificate.attestationCertChain[: len(chain)] = list(chain)
+        certificate.attestationCertChainSize = len(chain)
         return certificate

@@ -6,7 +6,8 @@ import sys
 
 import pynvml
 import pytest
-from fake_nvml import ATTESTATION_CHAIN, SPDM_REQUEST_HEAD, SPDM_RESPONSE, FakeNvml
+from fake_nvml import FakeNvml
+from nvidia_forge import nvidia_pki, spdm_report
 
 from attestation import nvml_cc
 from attestation.errors import EvidenceUnavailable
@@ -30,8 +31,8 @@ def test_cc_on_brings_one_attestation_report_per_gpu_over_the_nonce() -> None:
     assert evidence == GpuEvidence(
         cc_enabled=True, environment="prod", dev_tools=True, ready=False,
         devices=tuple(
-            GpuDeviceReport(index=index, uuid=uuid, report=SPDM_REQUEST_HEAD + NONCE + bytes([index]) + SPDM_RESPONSE,
-                            cert_chain=ATTESTATION_CHAIN)
+            GpuDeviceReport(index=index, uuid=uuid, report=spdm_report(nvidia_pki(), NONCE),
+                            cert_chain=nvidia_pki().chain_pem())
             for index, uuid in enumerate(("GPU-a", "GPU-b"))
         ),
     )

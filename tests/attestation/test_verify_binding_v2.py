@@ -190,11 +190,11 @@ def test_none_v2_carries_the_values_and_passes_only_when_allowed(tmp_path: Path,
     ]
 
 
-def test_none_v2_gpu_reports_must_answer_the_v2_digest(tmp_path: Path) -> None:
+def test_none_v2_gpu_reports_must_answer_the_v2_digest(tmp_path: Path, trust_dir: Path) -> None:
     """Without a CPU report the GPU reports are what binds the values: one asked under v1 is refused."""
     v1_gpu = gpu_evidence(binding_digest(NODE_KEY, NONCE), FakeNvml(uuids=("GPU-x",)))
     evidence = replace(collect_v2(tmp_path), gpu=v1_gpu)
-    assert refusal(evidence, tmp_path, allow_none=True) == (
+    assert refusal(evidence, trust_dir, allow_none=True) == (
         "gpu-binding-mismatch",
         f"GPU 0 (GPU-x) report was requested with nonce {binding_digest(NODE_KEY, NONCE).hex()}, not the binding "
         f"digest {REPORT_DATA_V2[:32].hex()}",

@@ -43,18 +43,16 @@ def test_allowed_none_evidence_still_checks_the_nonce(tmp_path: Path) -> None:
     assert refusal(NONE, tmp_path, allow_none=True, expected_nonce=bytes(32))[0] == "nonce-mismatch"
 
 
-def test_gpu_reports_bound_to_the_key_and_nonce_pass(tmp_path: Path) -> None:
+def test_gpu_reports_bound_to_the_key_and_nonce_pass(trust_dir: Path) -> None:
     gpu = gpu_evidence(binding_digest(NODE_KEY, NONCE), FakeNvml())
-    result = verified(replace(NONE, gpu=gpu), tmp_path, allow_none=True)
-    assert str(result.checks[-1]) == (
-        "gpu: confidential computing on (environment prod, devtools off, ready True); 1 GPU report(s) bound to the "
-        "key and nonce; their SPDM signatures and measurements are not verified here"
-    )
+    result = verified(replace(NONE, gpu=gpu), trust_dir, allow_none=True)
+    assert str(result.checks[-1]) == "gpu: 1 GPU(s) verified"
+    assert result.gpu is not None and (result.gpu.verified, result.gpu.devices) == (True, 1)
 
 
-def test_a_gpu_report_requested_with_another_nonce_fails(tmp_path: Path) -> None:
+def test_a_gpu_report_requested_with_another_nonce_fails(trust_dir: Path) -> None:
     gpu = gpu_evidence(bytes(32), FakeNvml(uuids=("GPU-x",)))
-    assert refusal(replace(NONE, gpu=gpu), tmp_path, allow_none=True) == (
+    assert refusal(replace(NONE, gpu=gpu), trust_dir, allow_none=True) == (
         "gpu-binding-mismatch",
         f"GPU 0 (GPU-x) report was requested with nonce {bytes(32).hex()}, not the binding digest "
         f"{binding_digest(NODE_KEY, NONCE).hex()}",
@@ -67,10 +65,10 @@ def test_a_gpu_with_cc_off_is_reported(tmp_path: Path) -> None:
     assert str(result.checks[-1]) == "gpu: confidential computing off (environment unavailable)"
 
 
-def test_a_truncated_gpu_report_fails_the_binding(tmp_path: Path) -> None:
+def test_a_truncated_gpu_report_is_refused(tmp_path: Path) -> None:
     device = GpuDeviceReport(index=0, uuid="GPU-x", report=b"\x11\xe0", cert_chain=b"")
     gpu = GpuEvidence(cc_enabled=True, environment="prod", dev_tools=False, ready=True, devices=(device,))
-    assert refusal(replace(NONE, gpu=gpu), tmp_path, allow_none=True)[0] == "gpu-binding-mismatch"
+    assert refusal(replace(NONE, gpu=gpu), tmp_path, allow_none=True)[0] == "gpu-truncated-report"
 
 
 def test_checks_stream_to_the_callback_as_they_pass(tmp_path: Path) -> None:
