@@ -32,6 +32,17 @@ class Check:
 CheckSink = Callable[[Check], None]
 
 
+NOT_CHECKED_SUBJECTS = ("tcb status", "revocation", "gpu measurements", "gpu revocation")
+"""What a `not_checked` phrase can be about: the text before its first colon."""
+
+
+def not_checked_about(phrase: str) -> str:
+    """The subject of a `not_checked` phrase (one of `NOT_CHECKED_SUBJECTS`)."""
+    subject = phrase.partition(":")[0]
+    assert subject in NOT_CHECKED_SUBJECTS, phrase
+    return subject
+
+
 @dataclass(frozen=True, slots=True)
 class SnpGuest:
     """What a verified SEV-SNP report says of its guest, for a trust policy to judge."""
@@ -57,7 +68,7 @@ class Platform:
     advisory_ids: tuple[str, ...] = ()  # Intel advisories of the matched TCB levels
     rtmrs: tuple[bytes, bytes, bytes, bytes] | None = None  # TDX RTMR0..3
     snp: SnpGuest | None = None
-    not_checked: tuple[str, ...] = ()  # what this verifier could not check, one phrase each ("revocation: ...")
+    not_checked: tuple[str, ...] = ()  # what this verifier could not check, one "subject: why" phrase each
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,18 @@
-"""`tenzro attest verify EVIDENCE [--trust-root DIR] [--trust-policy FILE]`: check an evidence document offline.
+"""`tenzro attest verify EVIDENCE [--trust-root DIR] [--collateral DIR] [--trust-policy FILE]`: check an evidence
+document offline (and `tenzro attest fetch-collateral`, from `attestation.fetch`, mounted beside it).
 
 `none` evidence has no hardware report and so no chain to a root: with `--allow-none` it needs no
 `--trust-root`; SEV-SNP and TDX evidence without one fail naming the root file they need.
 
 With `--trust-policy` (the caller's policy `tenzro client verify` takes) the evidence is verified as without it,
 against the policy's roots when `--trust-root` is not given, and then what it proves (measurement, code and model
-digests) is judged by the policy. `--allow-none` is still needed for `none` evidence: a policy allowing it does
-not stand in for the flag, so without the flag `none` evidence is refused whatever file is named.
+digests, TCB, guest policy, GPU part) is judged by the policy. `--allow-none` is still needed for `none` evidence: a
+policy allowing it does not stand in for the flag, so without the flag `none` evidence is refused whatever file is
+named. `--collateral DIR` (else the policy's `collateral`) is the vendor collateral the verifier judges TCB status and
+revocation by; without it the last line says what was not checked.
+
+The last line never says "trusted" alone: it names the TCB the hardware reported, whether the workload was pinned
+(by `--expect-measurement` or the policy) and what was not checked, as a policy verdict does (`attestation.verdict`).
 
 Prints one line per check that passed and exits 0; on the first failure prints the reason code and
 what was found to stderr and exits 1 (2 for a usage error, a malformed policy included). `node/cli.py` mounts the
@@ -26,7 +32,9 @@ from attestation.binding import NONCE_BYTES
 from attestation.chain import TrustRoots
 from attestation.checks import MEASUREMENT_BYTES, Check
 from attestation.errors import VerificationError
-from attestation.trust_policy import TrustPolicy, TrustPolicyError, presented_by
+from attestation.fetch import add_fetch_parser
+from attestation.trust_policy import TrustPolicy, TrustPolicyError, Verdict, presented_by
+from attestation.verdict import description
 from attestation.verify import VerificationResult, verify_evidence
 
 EXIT_VERIFIED = 0
@@ -45,6 +53,10 @@ def add_verify_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     verify.add_argument("--trust-root", metavar="DIR", type=Path,
                         help="directory of trust roots: ark.pem, ask.pem (optional), intel_root.pem; needed for "
                              "SEV-SNP and TDX evidence, not for none evidence with --allow-none")
+    verify.add_argument("--collateral", metavar="DIR", type=Path,
+                        help="vendor collateral (tenzro attest fetch-collateral --out DIR): Intel TCB info and QE "
+                             "identity, AMD and Intel CRLs, NVIDIA RIMs and OCSP; the policy's collateral serves "
+                             "without it")
     verify.add_argument("--expect-measurement", metavar="HEX", type=_hex_bytes(MEASUREMENT_BYTES),
                         help="required launch measurement (SNP MEASUREMENT or TDX MRTD), 96 hex characters")
     verify.add_argument("--nonce", metavar="HEX", type=_hex_bytes(NONCE_BYTES),
@@ -67,6 +79,7 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     roots = args.trust_root or (policy.roots if policy is not None else None)
+    collateral = args.collateral or (policy.collateral if policy is not None else None)
     try:
         document = _read_document(args.evidence)
         result = verify_evidence(
@@ -76,35 +89,46 @@ def run_verify(args: argparse.Namespace) -> int:
             expected_measurement=args.expect_measurement,
             allow_none=args.allow_none,
             on_check=_print_check,
+            collateral=collateral,
         )
     except VerificationError as exc:
         print(f"FAILED {exc.reason}: {exc.message}", file=sys.stderr)
         return EXIT_REFUSED
+    pinned = ["measurements"] if args.expect_measurement is not None else []
     if policy is not None:
-        lines, accepted = judged(policy, result)
-        print("\n".join(lines), file=sys.stdout if accepted else sys.stderr)
-        if not accepted:
+        if args.expect_measurement is not None:
+            policy = policy.expecting(args.expect_measurement.hex())
+        verdict = judge(policy, result)
+        print("\n".join(policy_lines(verdict)), file=sys.stdout if verdict.ok else sys.stderr)
+        if not verdict.ok:
             return EXIT_REFUSED
-    trust = "trusted" if result.trusted else "UNTRUSTED"
-    print(f"verified: {result.evidence_type} evidence, {trust}, key {result.public_key_hex}, "
-          f"boot {result.boot_id}, digest {result.digest}")
+        pinned = [key for key, _ in verdict.pinned]
+    print(f"verified: {result.evidence_type} evidence, {description(presented_by(result), pinned)}; "
+          f"key {result.public_key_hex}, boot {result.boot_id}, digest {result.digest}")
     return EXIT_VERIFIED
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tenzro attest", description="Check attestation evidence offline.")
-    add_verify_parser(parser.add_subparsers(dest="command", required=True))
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_verify_parser(commands)
+    add_fetch_parser(commands)
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code
 
 
-def judged(policy: TrustPolicy, result: VerificationResult) -> tuple[list[str], bool]:
-    """The policy's verdict on what verified evidence proves, and whether it accepts: the lines `attest verify` and
-    `metering verify` print, the first saying it is the trust policy's among the verifier's own."""
-    verdict = policy.judge(presented_by(result))
-    head, *reasons = verdict.lines()
-    return [f"trust policy: {head}", *reasons], verdict.ok
+def judge(policy: TrustPolicy, result: VerificationResult) -> Verdict:
+    """The policy's verdict on what verified evidence proves: `attest verify` and `metering verify` judge through
+    this one call, as `client verify` and the router do through `client.verify.verify_node`."""
+    return policy.judge(presented_by(result))
+
+
+def policy_lines(verdict: Verdict) -> list[str]:
+    """The verdict's lines as `attest verify` and `metering verify` print them, the first saying it is the trust
+    policy's among the verifier's own."""
+    head, *rest = verdict.lines()
+    return [f"trust policy: {head}", *rest]
 
 
 def _read_document(path: Path) -> Any:

@@ -2,11 +2,13 @@
 command line by node/cli.py.
 
     tenzro client verify URL --trust-policy FILE [--allow-none]   one verdict; exit 0 only for OK
-    tenzro client pin URL [--allow-none] [--roots DIR] > FILE     a policy accepting exactly what the node presents
+    tenzro client pin URL [--allow-none] [--roots DIR] [--collateral DIR] > FILE   a policy accepting exactly what
+                                                                  the node presents
     tenzro proxy --node URL --trust-policy FILE [--port 8089] [--allow-none] [--reverify-s S]
 
 Without `--allow-none` a node with `none` evidence (no TEE) is refused by every one of them, whatever the policy
-says; with it, the policy must accept `none` too (`tee_types: [none]`, `allow_none: true`).
+says; with it, the policy must accept `none` too (`tee_types: [none]`, `allow_none: true`). The verdict names the TCB
+the hardware reported, what the policy pinned and what the verifier could not check (`attestation.verdict`).
 """
 
 from __future__ import annotations
@@ -65,13 +67,14 @@ def _pin(args: argparse.Namespace) -> int:
     open_policy = TrustPolicy.parse({
         "tee_types": tee_types, "allow_none": args.allow_none,
         "roots": args.roots, "measurements": "any", "rtmrs": "any", "min_tcb": "any", "code_digests": "any",
-        "model_digests": "any", "gpu": "optional"}, base=Path.cwd())
+        "model_digests": "any", "gpu": "optional", "collateral": args.collateral, "tdx_tcb_status": "any",
+        "migration_agent": "allowed"}, base=Path.cwd())
     try:
         node = asyncio.run(verify_node(args.url, open_policy, args.allow_none))
     except NodeRefused as exc:
         print("\n".join(exc.lines), file=sys.stderr)
         return 1
-    pinned: dict[str, Any] = TrustPolicy.pin(node.presented, args.roots)
+    pinned: dict[str, Any] = TrustPolicy.pin(node.presented, args.roots, args.collateral)
     sys.stdout.write(PIN_HEADER.format(url=args.url) + yaml.safe_dump(pinned, sort_keys=False))
     return 0
 
@@ -107,6 +110,9 @@ def add_client_commands(groups: Any) -> None:
     pin.add_argument("url", help="the node, https://HOST:PORT")
     pin.add_argument("--roots", metavar="DIR", default=None,
                      help="the AMD and Intel roots directory the policy names (needed for hardware evidence)")
+    pin.add_argument("--collateral", metavar="DIR", default=None,
+                     help="the vendor collateral directory the policy names (tenzro attest fetch-collateral): "
+                          "without it a TDX node's TCB status is not evaluated and none is pinned")
     pin.add_argument("--allow-none", action="store_true", help="pin a node without a TEE: development only")
     pin.set_defaults(func=_pin)
     proxy = groups.add_parser("proxy", help="an OpenAI-compatible endpoint on localhost that forwards only to a "

@@ -3,7 +3,8 @@
 1. Open a TLS connection and take the certificate the node presents, untrusted (`client.channel`).
 2. Over a connection pinned to that certificate, ask `GET /v1/attestation?nonce=HEX` under a fresh random nonce.
 3. Verify the evidence offline (`attestation.verify`): the hardware's signature and chain, the nonce, and the
-   binding of report_data to the node's metering key, TLS key, code and model digests.
+   binding of report_data to the node's metering key, TLS key, code and model digests; TCB status and revocation
+   against the vendor collateral the policy names (`collateral:`), never fetched here.
 4. Compare the pinned certificate's SPKI with the one the evidence binds: a man in the middle with a key of its own
    fails here, however faithfully it relays the evidence.
 5. Judge what the node presents against the caller's trust policy (`attestation.trust_policy`).
@@ -48,7 +49,8 @@ class VerifiedNode:
     verdict: Verdict
 
     def lines(self) -> list[str]:
-        """One verdict, then what was checked."""
+        """One verdict (what the hardware vouched for, what was pinned, what was not checked), then what was
+        checked."""
         return [*self.verdict.lines(), f"  node key {self.result.public_key_hex}",
                 f"  tls spki sha256 {self.channel.spki_sha256.hex()} (bound by the evidence)",
                 *(f"  {check}" for check in self.result.checks)]
@@ -64,18 +66,20 @@ async def verify_node(url: str, policy: TrustPolicy, allow_none: bool = False,
     nonce = os.urandom(32)
     document = await _evidence(channel, nonce, session)
     try:
-        result = verify_evidence(document, policy.roots or NO_ROOTS, expected_nonce=nonce, allow_none=allow_none)
+        result = verify_evidence(document, policy.roots or NO_ROOTS, expected_nonce=nonce, allow_none=allow_none,
+                                 collateral=policy.collateral)
     except (AttestationError, OSError, ValueError) as exc:
         raise NodeRefused(["REFUSED", f"  evidence: {exc}"]) from exc
     spki = bound_spki(result)
     presented = presented_by(result)
     verdict = policy.judge(presented)
     if spki is None:
-        verdict = _refuse(verdict, "channel: the evidence binds no TLS key (a v1 document): the channel is not "
-                                   "attested")
+        verdict = verdict.refused("channel-not-attested", "the evidence binds no TLS key (a v1 document): the "
+                                  "channel is not attested")
     elif not hmac.compare_digest(spki, channel.spki_sha256):
-        verdict = _refuse(verdict, f"channel: the TLS key presented ({channel.spki_sha256.hex()}) is not the one the "
-                                   f"evidence binds ({spki.hex()}): a man in the middle, or another node")
+        verdict = verdict.refused("channel-not-attested", f"the TLS key presented ({channel.spki_sha256.hex()}) is "
+                                  f"not the one the evidence binds ({spki.hex()}): a man in the middle, or another "
+                                  "node")
     node = VerifiedNode(channel, result, presented, verdict)
     if not verdict.ok:
         raise NodeRefused(node.lines())
@@ -86,10 +90,6 @@ def bound_spki(result: VerificationResult) -> bytes | None:
     """The TLS SPKI SHA-256 the verified binding vouches for (a v1 document, or a plain-HTTP node, binds none); the
     code and model digests it binds are judged by the policy, through `presented_by`."""
     return None if result.tls_spki_sha256_hex is None else bytes.fromhex(result.tls_spki_sha256_hex)
-
-
-def _refuse(verdict: Verdict, reason: str) -> Verdict:
-    return Verdict((reason, *verdict.refusals), verdict.unpinned, verdict.untrusted)
 
 
 async def _evidence(channel: PinnedChannel, nonce: bytes, session: aiohttp.ClientSession | None) -> dict[str, Any]:

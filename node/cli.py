@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from attestation.cli import add_verify_parser
+from attestation.fetch import add_fetch_parser
 from bench.agent import add_agent_bench
 from bench.hostile import add_hostile_bench
 from bench.load import add_load_bench
@@ -355,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_commands(groups)
     attest = groups.add_parser("attest", help="attestation evidence").add_subparsers(dest="command", required=True)
     add_verify_parser(attest)
+    add_fetch_parser(attest)
     return parser
 
 

@@ -9,9 +9,10 @@ the `<boot_id>.evidence.json` files the node writes beside its segments): the ev
 `--trust-root`; `none` evidence only with `--allow-none`, and then it is reported unattested), be the boot's
 own (its nonce derived from the boot id), and bind the very key that signs the segment; with `--trust-policy` (the
 caller's policy, as `tenzro attest verify` takes it) what the evidence proves must then be what the policy accepts,
-its roots serving when `--trust-root` is not given. `metering bill` and `metering sla` take the same options and
-run the same verification first: a number read from a ledger proves only what its verification proves, so a ledger
-`verify` refuses gets neither a bill nor an SLA report.
+its roots and collateral serving when `--trust-root` and `--collateral` are not given (the collateral, Intel TCB
+info and QE identity and vendor CRLs, is what TCB status and revocation are judged by). `metering bill` and
+`metering sla` take the same options and run the same verification first: a number read from a ledger proves only
+what its verification proves, so a ledger `verify` refuses gets neither a bill nor an SLA report.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from attestation.chain import TrustRoots, load_trust_roots
-from attestation.cli import NO_TRUST_ROOTS, judged
+from attestation.cli import NO_TRUST_ROOTS, judge, policy_lines
+from attestation.collateral import NO_COLLATERAL, Collateral, load_collateral
 from attestation.errors import MalformedEvidence, VerificationError
 from attestation.evidence import evidence_digest
-from attestation.trust_policy import TrustPolicy, TrustPolicyError
+from attestation.trust_policy import TrustPolicy, TrustPolicyError, presented_by
+from attestation.verdict import description
 from attestation.verify import verify_evidence
 from metering.bill import Bill, UsageTotals, bill
 from metering.pricing import (
@@ -117,6 +120,9 @@ def _add_ledger_arguments(parser: argparse.ArgumentParser) -> None:
                              "evidence binds")
     parser.add_argument("--trust-root", metavar="DIR", help="trust roots for the evidence: ark.pem, ask.pem, "
                         "intel_root.pem (see `tenzro attest verify`)")
+    parser.add_argument("--collateral", metavar="DIR",
+                        help="vendor collateral for the evidence (tenzro attest fetch-collateral --out DIR); the "
+                             "trust policy's collateral serves without it")
     parser.add_argument("--allow-none", action="store_true",
                         help="accept evidence of type none (a node without a TEE), reported as unattested")
     parser.add_argument("--trust-policy", metavar="FILE",
@@ -188,6 +194,7 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"cannot verify: {exc}")
         return 2
     roots_directory = args.trust_root or (policy.roots if policy is not None else None)
+    collateral_directory = args.collateral or (policy.collateral if policy is not None else None)
     try:
         if args.tree_head:
             segments = segment_files(args.ledger)
@@ -201,6 +208,7 @@ def run_verify(args: argparse.Namespace) -> int:
         documents = _evidence_documents(args.evidence or [Path(args.ledger) if Path(args.ledger).is_dir()
                                                           else Path(args.ledger).parent]) if attested else {}
         roots = load_trust_roots(roots_directory) if roots_directory else NO_TRUST_ROOTS
+        collateral = load_collateral(collateral_directory) if collateral_directory else NO_COLLATERAL
     except (OSError, SignatureInvalid, TreeHeadError, SegmentFormatError, VerificationError,
             MalformedEvidence) as exc:
         print(f"cannot verify: {exc}")
@@ -213,7 +221,7 @@ def run_verify(args: argparse.Namespace) -> int:
         print(format_verify_report(report))
         ok &= report.ok
         if attested and report.ok:
-            line, attested_ok = attest_segment(report, documents, roots, args.allow_none, policy)
+            line, attested_ok = attest_segment(report, documents, roots, args.allow_none, policy, collateral)
             print(line)
             ok &= attested_ok
     return 0 if ok else 1
@@ -234,7 +242,8 @@ def _evidence_documents(paths: list[Path]) -> dict[str, dict[str, object]]:
 
 
 def attest_segment(report: VerifyReport, documents: dict[str, dict[str, object]], roots: TrustRoots,
-                   allow_none: bool, policy: TrustPolicy | None = None) -> tuple[str, bool]:
+                   allow_none: bool, policy: TrustPolicy | None = None,
+                   collateral: Collateral = NO_COLLATERAL) -> tuple[str, bool]:
     """Whether the evidence a verified segment names verifies and binds the key that signed the segment, and then
     whether `policy` accepts what it proves (the verdict's lines follow the segment's)."""
     header = report.header
@@ -244,7 +253,8 @@ def attest_segment(report: VerifyReport, documents: dict[str, dict[str, object]]
         return (f"FAILED {report.path}: no evidence document with digest {header.evidence_digest} "
                 "(give it with --evidence)"), False
     try:
-        result = verify_evidence(document, roots, expected_nonce=boot_nonce(header.boot_id), allow_none=allow_none)
+        result = verify_evidence(document, roots, expected_nonce=boot_nonce(header.boot_id), allow_none=allow_none,
+                                 collateral=collateral)
     except VerificationError as exc:
         return f"FAILED {report.path}: its evidence does not verify: {exc.reason}: {exc.message}", False
     if result.public_key_hex != header.public_key:
@@ -253,12 +263,14 @@ def attest_segment(report: VerifyReport, documents: dict[str, dict[str, object]]
     if not result.trusted:  # none evidence: a claim by the node itself, accepted only because it was allowed
         line = (f"UNATTESTED {report.path}: key named by {result.evidence_type} evidence {result.digest}, "
                 "which no TEE vouches for (accepted with --allow-none)")
-    else:
+    else:  # without a policy nothing pinned the workload: the line says so, and what was not checked
         line = f"ATTESTED {report.path}: key bound by {result.evidence_type} evidence {result.digest}"
+        if policy is None:
+            line += f"; {description(presented_by(result), [])}"
     if policy is None:
         return line, True
-    verdict, accepted = judged(policy, result)
-    return "\n".join([line, *verdict]), accepted
+    verdict = judge(policy, result)
+    return "\n".join([line, *policy_lines(verdict)]), verdict.ok
 
 
 def format_verify_report(report: VerifyReport) -> str:

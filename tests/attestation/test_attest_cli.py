@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +29,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestation.cli import add_verify_parser, main, run_verify
+from attestation.errors import POLICY_REASONS, REASONS
 from attestation.evidence import Evidence
 
 ROOT = Path(__file__).resolve().parents[2]
+MILAN = "hardware verified (sev-snp, Milan VCEK, TCB bl 3 tee 0 snp 8 ucode 209)"
+"""What the forged Milan evidence of `amd_forge` presents (MILAN_TCB: bl 3, tee 0, snp 8, ucode 209)."""
+UNPINNED_SNP = ["  vmpls: any (not pinned)", "  host_data: any (not pinned)", "  id_key_digests: any (not pinned)",
+                "  author_key_digests: any (not pinned)", "  family_ids: any (not pinned)",
+                "  image_ids: any (not pinned)"]
 NONE = Evidence(evidence_type="none", source="none", report=b"", aux=b"", gpu=None, public_key=NODE_KEY,
                 boot_id=BOOT_ID, nonce=NONCE)
 
@@ -54,14 +61,14 @@ def test_allowed_none_evidence_prints_every_check(tmp_path: Path, capsys: pytest
         "ok evidence: none: no TEE report; accepted because none evidence was allowed, UNTRUSTED",
         f"ok nonce: {NONCE.hex()} matches",
         "ok gpu: no GPU evidence (no NVIDIA driver on the node)",
-        f"verified: none evidence, UNTRUSTED, key {NODE_KEY.hex()}, boot {BOOT_ID}, digest {NONE.digest()}",
+        f"verified: none evidence, UNTRUSTED (no TEE); key {NODE_KEY.hex()}, boot {BOOT_ID}, digest {NONE.digest()}",
     ]
 
 
 def test_allowed_none_evidence_needs_no_trust_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(write(tmp_path, NONE)), "--allow-none"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
-        f"verified: none evidence, UNTRUSTED, key {NODE_KEY.hex()}, boot {BOOT_ID}, digest {NONE.digest()}"
+        f"verified: none evidence, UNTRUSTED (no TEE); key {NODE_KEY.hex()}, boot {BOOT_ID}, digest {NONE.digest()}"
     )
 
 
@@ -96,11 +103,22 @@ def test_sev_snp_evidence_verifies_through_the_handler(
     assert args.func is run_verify
     assert args.func(args) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in lines] == [
-        "ok report", "ok certificate chain", "ok report signature", "ok tcb", "ok chip id", "ok policy",
-        "ok measurement", "ok key binding", "ok nonce", "ok gpu", "verified",
-    ]
-    assert lines[-1].startswith("verified: sev-snp evidence, trusted, key ")
+    names = [line.split(":")[0] for line in lines]
+    assert names[:3] == ["ok report", "ok certificate chain", "ok report signature"]
+    assert names[-5:] == ["ok measurement", "ok key binding", "ok nonce", "ok gpu", "verified"]
+    # --expect-measurement pinned the workload; the line names the TCB and what was not checked, never "trusted".
+    assert lines[-1].startswith(f"verified: sev-snp evidence, {MILAN}, workload pinned (MEASUREMENT); not checked: "
+                                "revocation (")
+    assert f"; key {NODE_KEY.hex()}, boot {BOOT_ID}, digest " in lines[-1]
+
+
+def test_without_a_pinned_measurement_the_last_line_says_the_workload_is_not_pinned(
+    snp_file: Path, trust_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", str(snp_file), "--trust-root", str(trust_dir), "--nonce", NONCE.hex()]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f"verified: sev-snp evidence, {MILAN}, workload not pinned; not checked: revocation (")
+    assert "trusted" not in last
 
 
 def test_a_stale_nonce_fails_with_the_reason_after_the_checks_that_passed(
@@ -175,20 +193,31 @@ def test_a_trust_policy_accepts_what_the_evidence_proves_and_lends_its_roots(
     assert main(["verify", str(snp_v2_file), "--nonce", NONCE.hex(), "--trust-policy", str(policy)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("ok report: ") and lines[1].startswith("ok certificate chain: ")
-    assert lines[-5:-1] == ["ok gpu: no GPU evidence (no NVIDIA driver on the node)", "trust policy: OK",
-                            "  rtmrs: any (not pinned)", "  min_tcb: any (not pinned)"]
-    assert lines[-1].startswith("verified: sev-snp evidence, trusted, key ")
+    at = lines.index("ok gpu: no GPU evidence (no NVIDIA driver on the node)")
+    assert lines[at + 1].startswith(
+        f"trust policy: OK: {MILAN}, workload pinned (MEASUREMENT); not pinned: min_tcb, vmpls, host_data, "
+        "id_key_digests, author_key_digests, family_ids, image_ids; not checked: revocation (")
+    assert lines[at + 2:-1] == [
+        f"  measurements: MEASUREMENT {MEASUREMENT.hex()} (pinned)", "  migration_agent: forbidden (pinned)",
+        f"  code_digests: {CODE_DIGEST.hex()} (pinned)", f"  model_digests: default {MODEL_DIGEST.hex()} (pinned)",
+        "  min_tcb: any (not pinned)", *UNPINNED_SNP]
+    assert lines[-1].startswith(f"verified: sev-snp evidence, {MILAN}, workload pinned (MEASUREMENT); not checked: "
+                                "revocation (")
 
 
 @pytest.mark.parametrize(("changes", "reason"), [
-    ({"measurements": ["ee" * 48]},
-     f"measurements: the node's launch measurement {MEASUREMENT.hex()} is not one the policy accepts"),
+    ({"measurements": ["ee" * 48]}, f"workload-not-accepted: the launch measurement (MEASUREMENT) "
+                                    f"{MEASUREMENT.hex()} is not one measurements accepts"),
     ({"code_digests": ["c1" * 32]},
-     f"code_digests: the node runs code {CODE_DIGEST.hex()}, which the policy does not accept"),
-    ({"model_digests": {"default": ["d2" * 32]}},
-     f"model_digests: the node serves default with weights {MODEL_DIGEST.hex()}, which the policy does not accept"),
-    ({"min_tcb": {"snp": 9}}, "min_tcb: snp is 8, the policy requires at least 9"),
-], ids=["measurement", "code", "model", "tcb"])
+     f"code-not-accepted: the node runs code {CODE_DIGEST.hex()}, which code_digests does not accept"),
+    ({"model_digests": {"default": ["d2" * 32]}}, f"model-not-accepted: the node serves default with weights "
+                                                  f"{MODEL_DIGEST.hex()}, which model_digests does not accept"),
+    ({"min_tcb": {"snp": 9}}, "tcb-below-minimum: TCB component snp is 8, min_tcb requires at least 9"),
+    ({"vmpls": [1]}, "guest-policy-not-accepted: the report was made at VMPL 0; vmpls accepts 1"),
+    ({"smt": "forbidden"}, "guest-policy-not-accepted: the guest policy 0x30000 allows SMT (bit 16); smt: forbidden"),
+    ({"host_data": ["ee" * 32]}, f"guest-policy-not-accepted: HOST_DATA {'00' * 32} is not one host_data accepts"),
+    ({"gpu": "required"}, "gpu-missing: gpu: required, and the evidence has no GPU part"),
+], ids=["measurement", "code", "model", "tcb", "vmpl", "smt", "host-data", "gpu"])
 def test_a_trust_policy_refuses_naming_what_it_does_not_accept(
     snp_v2_file: Path, trust_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, object],
     reason: str
@@ -206,13 +235,13 @@ def test_a_v1_document_proves_no_code_so_a_policy_pinning_code_refuses_it(
 ) -> None:
     unpinned = trust_policy(tmp_path, roots=str(trust_dir), code_digests="any", model_digests="any")
     assert main(["verify", str(snp_file), "--trust-policy", str(unpinned)]) == 0
-    assert capsys.readouterr().out.splitlines()[-6:-1] == [
-        "trust policy: OK", "  rtmrs: any (not pinned)", "  min_tcb: any (not pinned)",
-        "  code_digests: any (not pinned)", "  model_digests: any (not pinned)"]
+    assert capsys.readouterr().out.splitlines()[-10:-1] == [
+        "  min_tcb: any (not pinned)", *UNPINNED_SNP, "  code_digests: any (not pinned)",
+        "  model_digests: any (not pinned)"]
     pinned = trust_policy(tmp_path, roots=str(trust_dir), model_digests="any")
     assert main(["verify", str(snp_file), "--trust-policy", str(pinned)]) == 1
-    assert capsys.readouterr().err == (
-        "trust policy: REFUSED\n  code_digests: the node runs code it did not name, which the policy does not accept\n")
+    assert capsys.readouterr().err == ("trust policy: REFUSED\n  code-not-accepted: the node runs code it did not "
+                                       "name, which code_digests does not accept\n")
 
 
 def test_none_evidence_needs_allow_none_even_under_a_policy_that_accepts_none(
@@ -226,10 +255,10 @@ def test_none_evidence_needs_allow_none_even_under_a_policy_that_accepts_none(
     assert output.out == ""
     assert output.err.startswith("FAILED none-evidence: the node runs without a TEE")
     assert main(["verify", str(path), "--trust-policy", str(policy), "--allow-none"]) == 0
-    assert capsys.readouterr().out.splitlines()[-7:-1] == [
+    assert capsys.readouterr().out.splitlines()[-5:] == [
         "trust policy: OK, UNTRUSTED (none evidence, accepted by allow_none)", "  measurements: any (not pinned)",
-        "  rtmrs: any (not pinned)", "  min_tcb: any (not pinned)", "  code_digests: any (not pinned)",
-        "  model_digests: any (not pinned)"]
+        "  code_digests: any (not pinned)", "  model_digests: any (not pinned)",
+        f"verified: none evidence, UNTRUSTED (no TEE); key {NODE_KEY.hex()}, boot {BOOT_ID}, digest {NONE.digest()}"]
 
 
 def test_a_malformed_trust_policy_is_a_usage_error(
@@ -240,7 +269,9 @@ def test_a_malformed_trust_policy_is_a_usage_error(
     output = capsys.readouterr()
     assert output.out == ""
     assert output.err == ("tenzro: error: unknown trust policy keys measurement: the keys are tee_types, allow_none, "
-                          "roots, measurements, rtmrs, min_tcb, code_digests, model_digests, gpu\n")
+                          "roots, measurements, rtmrs, min_tcb, code_digests, model_digests, gpu, collateral, "
+                          "tdx_tcb_status, revocation, vmpls, migration_agent, smt, host_data, id_key_digests, "
+                          "author_key_digests, family_ids, image_ids\n")
 
 
 def test_a_trust_policy_judges_the_tcb_the_report_signed(
@@ -249,4 +280,46 @@ def test_a_trust_policy_judges_the_tcb_the_report_signed(
     # MILAN_TCB: bl 3, tee 0, snp 8, ucode 209, as REPORTED_TCB (the signing VCEK's).
     policy = trust_policy(tmp_path, min_tcb={"bl": 3, "snp": 8, "ucode": 209})
     assert main(["verify", str(snp_v2_file), "--trust-root", str(trust_dir), "--trust-policy", str(policy)]) == 0
-    assert "trust policy: OK" in capsys.readouterr().out.splitlines()
+    head = (f"trust policy: OK: {MILAN}, workload pinned (MEASUREMENT); not pinned: vmpls, host_data, id_key_digests, "
+            "author_key_digests, family_ids, image_ids; not checked: revocation (")
+    assert head in capsys.readouterr().out
+
+
+def test_the_collateral_flag_and_the_policys_collateral_reach_the_verifier(
+    snp_v2_file: Path, trust_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    absent = tmp_path / "absent"
+    assert main(["verify", str(snp_v2_file), "--trust-root", str(trust_dir), "--collateral", str(absent)]) == 1
+    assert capsys.readouterr().err == f"FAILED missing-collateral: collateral directory {absent} does not exist\n"
+    policy = trust_policy(tmp_path, roots=str(trust_dir), collateral="from-policy")
+    assert main(["verify", str(snp_v2_file), "--trust-policy", str(policy)]) == 1
+    assert capsys.readouterr().err == (
+        f"FAILED missing-collateral: collateral directory {tmp_path / 'from-policy'} does not exist\n")
+    (tmp_path / "empty").mkdir()  # the flag wins over the policy's directory
+    assert main(["verify", str(snp_v2_file), "--trust-policy", str(policy), "--collateral", str(tmp_path / "empty")]) \
+        == 0
+
+
+def test_expect_measurement_pins_the_workload_a_policy_left_unpinned(
+    snp_v2_file: Path, trust_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = trust_policy(tmp_path, roots=str(trust_dir), measurements="any")
+    assert main(["verify", str(snp_v2_file), "--trust-policy", str(policy)]) == 0
+    assert f"trust policy: OK: {MILAN}, workload not pinned; not pinned: measurements, min_tcb," in \
+        capsys.readouterr().out
+    assert main(["verify", str(snp_v2_file), "--trust-policy", str(policy), "--expect-measurement",
+                 MEASUREMENT.hex()]) == 0
+    out = capsys.readouterr().out
+    assert f"trust policy: OK: {MILAN}, workload pinned (MEASUREMENT); not pinned: min_tcb," in out
+    assert f"  measurements: MEASUREMENT {MEASUREMENT.hex()} (pinned)" in out.splitlines()
+
+
+def test_the_readme_lists_every_reason_code_with_its_meaning() -> None:
+    """A code added to attestation.errors without a README row fails here, and so does a row for no code."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("#### Reason codes", 1)[1].split("\n### ", 1)[0]
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \| (.+?) \|$", section, flags=re.MULTILINE)
+    listed = [code for code, _ in rows]
+    assert sorted(listed) == sorted([*REASONS, *POLICY_REASONS])
+    assert len(listed) == len(set(listed))
+    assert all(len(meaning.split()) >= 4 for _, meaning in rows)  # a meaning, not a placeholder

@@ -58,7 +58,7 @@ class Node:
 def verified(channel: PinnedChannel) -> VerifiedNode:
     result = VerificationResult("none", False, "00" * 32, "boot", "00" * 32, True, None, "digest", (), 2,
                                 channel.spki_sha256.hex(), "c0" * 32, (("m", "d1" * 32),))
-    return VerifiedNode(channel, result, Presented("none"), Verdict((), (), True))
+    return VerifiedNode(channel, result, Presented("none"), Verdict((), Presented("none"), untrusted=True))
 
 
 async def test_a_node_that_does_not_verify_gets_nothing(tmp_path: Path) -> None:

@@ -66,19 +66,20 @@ def test_client_verify_accepts_the_node_its_policy_names_and_refuses_another_cod
     lines = verified.stdout.splitlines()
     assert lines[0] == "OK, UNTRUSTED (none evidence, accepted by allow_none)"
     assert f"  tls spki sha256 {view['tls']['spki_sha256']} (bound by the evidence)" in lines
-    assert "  rtmrs: any (not pinned)" in lines and "  code_digests: any (not pinned)" not in lines
+    assert lines[1:4] == [f"  code_digests: {code} (pinned)", f"  model_digests: {model['model']} {model['digest']} "
+                          "(pinned)", "  measurements: any (not pinned)"]
 
     other_model = development_policy(tmp_path / "model.yaml", code, {model["model"]: ["d1" * 32]})
     refused = tenzro("client", "verify", tls_node.url, "--trust-policy", str(other_model), "--allow-none")
     assert refused.returncode == 1
     assert refused.stdout.splitlines()[:2] == [
-        "REFUSED", f"  model_digests: the node serves {model['model']} with weights {model['digest']}, which the "
-                   "policy does not accept"]
+        "REFUSED", f"  model-not-accepted: the node serves {model['model']} with weights {model['digest']}, which "
+                   "model_digests does not accept"]
     other_code = development_policy(tmp_path / "code.yaml", "c1" * 32, {model["model"]: [model["digest"]]})
     refused = tenzro("client", "verify", tls_node.url, "--trust-policy", str(other_code), "--allow-none")
     assert refused.returncode == 1
     assert refused.stdout.splitlines()[:2] == [
-        "REFUSED", f"  code_digests: the node runs code {code}, which the policy does not accept"]
+        "REFUSED", f"  code-not-accepted: the node runs code {code}, which code_digests does not accept"]
     # Without --allow-none, none evidence is refused whatever the policy says.
     strict = tenzro("client", "verify", tls_node.url, "--trust-policy", str(pinned))
     assert strict.returncode == 1 and "none-evidence" in strict.stdout
@@ -106,7 +107,8 @@ def test_client_verify_accepts_the_node_its_policy_names_and_refuses_another_cod
     assert reply.usage is not None and reply.usage.completion_tokens == 2
     with pytest.raises(NodeRefused) as refusal:
         verify(tls_node.url, other_code, allow_none=True)
-    assert refusal.value.lines[1] == f"  code_digests: the node runs code {code}, which the policy does not accept"
+    assert refusal.value.lines[1] == (
+        f"  code-not-accepted: the node runs code {code}, which code_digests does not accept")
 
 
 class Relay:
@@ -158,7 +160,7 @@ def test_a_tls_terminating_man_in_the_middle_is_refused_before_any_prompt(tls_no
         url = f"https://127.0.0.1:{relay.port}"
         refused = tenzro("client", "verify", url, "--trust-policy", str(policy), "--allow-none")
         assert refused.returncode == 1
-        assert refused.stdout.splitlines()[1].startswith("  channel: the TLS key presented (")
+        assert refused.stdout.splitlines()[1].startswith("  channel-not-attested: the TLS key presented (")
         assert b"/v1/attestation" in relay.received  # it relayed the evidence request faithfully
         proxy_port = free_port()
         with proxy(url, policy, proxy_port):
@@ -233,7 +235,7 @@ def test_the_openai_client_streams_through_the_proxy_which_verifies_a_restarted_
         with pytest.raises(openai.APIStatusError) as refusal:
             caller.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=2)
         assert refusal.value.status_code == 503
-        assert "model_digests: the node serves" in str(refusal.value.body)
+        assert "model-not-accepted: the node serves" in str(refusal.value.body)
     # Without --allow-none the proxy refuses none evidence, whatever the policy accepts.
     port = free_port()
     with proxy(other.url, development_policy(tmp_path / "any.yaml"), port, allow_none=False):

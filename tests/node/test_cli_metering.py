@@ -506,9 +506,9 @@ def test_every_command_judges_the_evidence_by_a_trust_policy(
         f"UNATTESTED {v2_ledger.path}: key named by none evidence {NONE_EVIDENCE_V2.digest()}, which no TEE vouches "
         "for (accepted with --allow-none)",
         "trust policy: OK, UNTRUSTED (none evidence, accepted by allow_none)",
+        f"  code_digests: {CODE} (pinned)",
+        f"  model_digests: tiny {WEIGHTS} (pinned)",
         "  measurements: any (not pinned)",
-        "  rtmrs: any (not pinned)",
-        "  min_tcb: any (not pinned)",
     ]
     report = {"verify": [], "bill": ["caller caller-a, all records, 1 segment(s)"],
               "sla": ["caller caller-a, every model, all records, 1 segment(s)"]}[command]
@@ -517,10 +517,12 @@ def test_every_command_judges_the_evidence_by_a_trust_policy(
 
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize(("changes", "reason"), [
-    ({"code_digests": ["c1" * 32]}, f"code_digests: the node runs code {CODE}, which the policy does not accept"),
+    ({"code_digests": ["c1" * 32]},
+     f"code-not-accepted: the node runs code {CODE}, which code_digests does not accept"),
     ({"model_digests": {"tiny": ["a2" * 32]}},
-     f"model_digests: the node serves tiny with weights {WEIGHTS}, which the policy does not accept"),
-    ({"measurements": ["ee" * 48]}, "measurements: the node's launch measurement none is not one the policy accepts"),
+     f"model-not-accepted: the node serves tiny with weights {WEIGHTS}, which model_digests does not accept"),
+    ({"measurements": ["ee" * 48]},
+     "workload-not-accepted: the launch measurement (measurement) none is not one measurements accepts"),
 ], ids=["code", "model", "measurement"])
 def test_every_command_refuses_what_the_trust_policy_does_not_accept_naming_it(
     v2_ledger: Ledger, tmp_path: Path, command: str, changes: dict[str, object], reason: str,
@@ -560,3 +562,26 @@ def test_every_command_refuses_a_malformed_trust_policy(
     code, out = run(argv, capsys)
     assert code == 2
     assert out.splitlines() == ["cannot verify: gpu: one of optional, required", *refusal]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_takes_the_collateral_from_the_flag_or_the_policy(
+    v2_ledger: Ledger, tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra, refusal = COMMANDS[command]
+    absent = tmp_path / "absent"
+    argv = ["metering", command, str(v2_ledger.path), "--allow-none", "--collateral", str(absent), *extra]
+    code, out = run(argv, capsys)
+    assert code == 1
+    assert out.splitlines() == [f"cannot verify: missing-collateral: collateral directory {absent} does not exist",
+                                *refusal]
+    policy = none_policy(tmp_path, collateral="from-policy")
+    code, out = run(["metering", command, str(v2_ledger.path), "--allow-none", "--trust-policy", policy, *extra],
+                    capsys)
+    assert code == 1
+    assert out.splitlines()[0] == (
+        f"cannot verify: missing-collateral: collateral directory {tmp_path / 'from-policy'} does not exist")
+    (tmp_path / "empty").mkdir()
+    code, out = run(["metering", command, str(v2_ledger.path), "--allow-none", "--trust-policy", policy,
+                     "--collateral", str(tmp_path / "empty"), *extra], capsys)
+    assert code == 0

@@ -90,7 +90,7 @@ def test_the_router_sends_only_to_providers_that_verify_and_drops_a_restarted_on
         assert "(providers[1]) is down" in text
         refused = subprocess.run([TENZRO, "client", "verify", other.url, "--trust-policy", str(tmp_path / "trust.yaml"),
                                   "--allow-none"], capture_output=True, text=True, timeout=60)
-        assert refused.stdout.splitlines()[1].startswith("  model_digests: the node serves small with weights ")
+        assert refused.stdout.splitlines()[1].startswith("  model-not-accepted: the node serves small with weights ")
 
         # The genuine node restarts on its address with a new TLS key (its keys file kept): dropped, then verified.
         address = int(genuine.url.rsplit(":", 1)[1])
