@@ -21,7 +21,8 @@ there (`--collateral DIR`, or `collateral:` in a trust policy). What is fetched,
 
 What to fetch comes from the flags, or from an evidence document (`--evidence`): SEV-SNP evidence asks for every
 product's CRLs (which product signed it is the verifier's finding, not the fetcher's), TDX evidence for the FMSPC in
-its PCK certificate, GPU evidence for OCSP responses for its certificate chains. AMD's roots (KDS `cert_chain`) are
+its PCK certificate, GPU evidence for each report's driver and VBIOS RIMs (Hopper's RIM ids, as nvtrust derives them
+from the report's versions and board) and OCSP responses for its certificate chains. AMD's roots (KDS `cert_chain`) are
 not fetched: roots are a person's decision, put in the trust directory by hand (`attestation/chain.py`).
 
 Every body is parsed before anything is written (a CRL as DER, JSON as JSON, an OCSP response as a successful one),
@@ -52,6 +53,7 @@ from attestation.collateral import AMD_PRODUCTS, load_collateral
 from attestation.errors import AttestationError, MalformedEvidence, VerificationError
 from attestation.evidence import Evidence
 from attestation.pck_extensions import read_pck_extensions
+from attestation.spdm import parse_report
 
 VENDOR_URLS: dict[str, str] = {
     "amd": "https://kdsintf.amd.com",
@@ -62,6 +64,8 @@ VENDOR_URLS: dict[str, str] = {
 }
 """Vendor -> base URL; `--base-url VENDOR=URL` replaces one."""
 AMD_KINDS = ("vcek", "vlek")
+HOPPER_DRIVER_RIM = "NV_GPU_DRIVER_GH100_"
+VBIOS_RIM = "NV_GPU_VBIOS_"
 PCK_CAS = ("platform", "processor")
 FETCH_TIMEOUT_S = 30.0
 _FMSPC = re.compile(r"[0-9a-f]{12}")
@@ -117,22 +121,36 @@ def plan(wanted: Wanted, bases: Mapping[str, str] = VENDOR_URLS) -> list[Downloa
 
 def wanted_by(evidence: Evidence) -> Wanted:
     """What verifying `evidence` can use: every AMD product's CRLs for SEV-SNP, the PCK certificate's FMSPC for TDX,
-    and an OCSP response for each GPU certificate below the root."""
+    and each GPU report's RIMs and an OCSP response for each GPU certificate below the root."""
     if evidence.evidence_type == "sev-snp":
         hardware = Wanted(amd_products=AMD_PRODUCTS)
     elif evidence.evidence_type == "tdx":
         hardware = Wanted(fmspcs=(pck_fmspc(evidence.report),))
     else:
         hardware = Wanted()
-    requests = []
+    requests, rim_ids = [], []
     for device in () if evidence.gpu is None else evidence.gpu.devices:
+        rim_ids += gpu_rim_ids(device.report)
         chain = _certificates(device.cert_chain, f"GPU {device.index}'s certificate chain")
         # As nvtrust: the leaf is this boot's attestation key (no OCSP entry); the root is not asked about.
         for position in range(1, len(chain) - 1):
             request = ocsp.OCSPRequestBuilder().add_certificate(chain[position], chain[position + 1],
                                                                 hashes.SHA384()).build()
             requests.append((f"gpu{device.index}_{position}", request.public_bytes(serialization.Encoding.DER)))
-    return Wanted(hardware.amd_products, hardware.fmspcs, (), tuple(requests))
+    return Wanted(hardware.amd_products, hardware.fmspcs, tuple(dict.fromkeys(rim_ids)), tuple(requests))
+
+
+def gpu_rim_ids(report: bytes) -> list[str]:
+    """The RIM service ids of a Hopper report's driver and VBIOS RIMs, as nvtrust names them:
+    `NV_GPU_DRIVER_GH100_<driver version>` and `NV_GPU_VBIOS_<project>_<project SKU>_<chip SKU>_<VBIOS version
+    without dots>`, upper case. Parsing the report only names files: the verifier checks it."""
+    parsed = parse_report(report)
+    ids = []
+    if parsed.driver_version:
+        ids.append(f"{HOPPER_DRIVER_RIM}{parsed.driver_version}")
+    if parsed.vbios_version:
+        ids.append(f"{VBIOS_RIM}{parsed.board().upper()}_{parsed.vbios_version.replace('.', '').upper()}")
+    return [rim_id for rim_id in ids if _RIM_ID.fullmatch(rim_id)]
 
 
 def pck_fmspc(quote: bytes) -> str:
@@ -253,14 +271,15 @@ def run_fetch(args: argparse.Namespace) -> int:
     try:
         found = Wanted() if args.evidence is None else wanted_by(_evidence(args.evidence))
         wanted = Wanted(tuple(dict.fromkeys([*args.amd_product, *found.amd_products])),
-                        tuple(dict.fromkeys([*fmspcs, *found.fmspcs])), tuple(dict.fromkeys(args.nvidia_rim)),
+                        tuple(dict.fromkeys([*fmspcs, *found.fmspcs])),
+                        tuple(dict.fromkeys([*args.nvidia_rim, *found.rim_ids])),
                         found.ocsp)
         downloads = plan(wanted, bases)
         if not downloads:
             print("tenzro: error: nothing to fetch: give --evidence, --fmspc, --amd-product or --nvidia-rim")
             return 2
         written = fetch(downloads, args.out, args.timeout)
-    except (FetchError, MalformedEvidence) as exc:
+    except (FetchError, MalformedEvidence, VerificationError) as exc:
         print(f"FAILED {exc}")
         return 1
     for path, size in written:

@@ -33,6 +33,9 @@ from attestation.evidence import Evidence, GpuDeviceReport, GpuEvidence
 VECTORS = Path(__file__).parent / "vectors"
 TDX = VECTORS / "go-tdx-guest"
 HOPPER_CHAIN = (VECTORS / "nvtrust" / "hopperCertChain.txt").read_bytes()
+HOPPER_REPORT = bytes.fromhex((VECTORS / "nvtrust" / "hopperAttestationReport.txt").read_text().strip())
+HOPPER_RIM_IDS = ("NV_GPU_DRIVER_GH100_550.90.07", "NV_GPU_VBIOS_1010_0200_882_96009F0001")
+"""The RIM ids nvtrust's verifier would fetch for the sample report."""
 FMSPC = "50806f000000"
 RIM_ID = "NV_GPU_DRIVER_GH100_535.86.10"
 RIM = b'<SoftwareIdentity xmlns="http://standards.iso.org/iso/19770/-2/2015/schema.xsd" name="driver"/>'
@@ -156,8 +159,9 @@ def base_urls(url: str) -> list[str]:
 
 
 def tdx_evidence(tmp_path: Path) -> Path:
-    """The real SPR quote as TDX evidence, with a GPU part carrying the real Hopper certificate chain."""
-    device = GpuDeviceReport(index=0, uuid="GPU-0", report=bytes(37), cert_chain=HOPPER_CHAIN)
+    """The real SPR quote as TDX evidence (go-tdx-guest), with a GPU part carrying the real Hopper report and
+    certificate chain (nvtrust samples: driver 550.90.07, VBIOS 96.00.9f.00.01, board 1010_0200_882)."""
+    device = GpuDeviceReport(index=0, uuid="GPU-0", report=HOPPER_REPORT, cert_chain=HOPPER_CHAIN)
     evidence = Evidence(evidence_type="tdx", source="configfs-tsm",
                         report=(TDX / "tdx_prod_quote_SPR_E4.dat").read_bytes(), aux=b"",
                         gpu=GpuEvidence(cc_enabled=True, environment="prod", dev_tools=False, ready=True,
@@ -178,7 +182,8 @@ def test_fetch_writes_the_collateral_layout_with_the_exact_vendor_bytes(
         "GET /vcek/v1/Milan/crl", "GET /vlek/v1/Milan/crl", f"GET /tdx/certification/v4/tcb?fmspc={FMSPC}",
         "GET /tdx/certification/v4/qe/identity", "GET /sgx/certification/v4/pckcrl?ca=platform&encoding=der",
         "GET /sgx/certification/v4/pckcrl?ca=processor&encoding=der", "GET /IntelSGXRootCA.der",
-        f"GET /v1/rim/{RIM_ID}", "POST /", "POST /", "POST /"]
+        f"GET /v1/rim/{RIM_ID}", *(f"GET /v1/rim/{rim_id}" for rim_id in HOPPER_RIM_IDS),
+        "POST /", "POST /", "POST /"]
     collateral = load_collateral(out)
     assert collateral.amd_crls == {("vcek", "Milan"): AMD_CRL, ("vlek", "Milan"): AMD_CRL}
     assert collateral.intel_tcb_infos == {FMSPC: (TDX / "sample_tcbInfo_response").read_bytes()}
@@ -191,7 +196,7 @@ def test_fetch_writes_the_collateral_layout_with_the_exact_vendor_bytes(
         "pck_crl_issuer_chain.pem": (TDX / "pck_crl_issuer_chain.pem").read_bytes(),
         "root_crl.der": (TDX / "rootcrl.der").read_bytes(),
     }
-    assert collateral.nvidia_rims == {f"{RIM_ID}.swidtag": RIM}
+    assert collateral.nvidia_rims == {f"{rim_id}.swidtag": RIM for rim_id in (RIM_ID, *HOPPER_RIM_IDS)}
     assert sorted(collateral.nvidia_ocsp) == ["gpu0_1.der", "gpu0_2.der", "gpu0_3.der"]
     chain = x509.load_pem_x509_certificates(HOPPER_CHAIN)
     answered = [ocsp.load_der_ocsp_response(collateral.nvidia_ocsp[f"gpu0_{i}.der"]) for i in (1, 2, 3)]
@@ -229,3 +234,19 @@ def test_a_body_that_is_not_what_the_url_serves_is_refused(
 def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     assert main(["fetch-collateral", "--out", str(tmp_path / "c"), *argv]) == 2
     assert capsys.readouterr().out == message
+
+
+def test_evidence_fetch_cannot_read_is_refused_before_any_download(
+        vendors: Vendors, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A GPU report too short to name its RIMs, and a document that is no evidence, each fail with the verifier's
+    reason and nothing is asked of any vendor."""
+    document = json.loads(tdx_evidence(tmp_path).read_text())
+    document["gpu"]["devices"][0]["report"] = base64.b64encode(HOPPER_REPORT[:40]).decode()
+    (tmp_path / "short.json").write_text(json.dumps(document))
+    (tmp_path / "other.json").write_text(json.dumps({"format": "tenzro-evidence-v1"}))
+    for name, reason in (("short.json", "gpu-truncated-report"), ("other.json", "malformed-document")):
+        code = main(["fetch-collateral", "--out", str(tmp_path / "out"), "--evidence", str(tmp_path / name),
+                     *base_urls(vendors.url)])
+        assert (code, capsys.readouterr().out.split(":")[0]) == (1, f"FAILED {reason}")
+    assert vendors.requests == []
+    assert not (tmp_path / "out").exists()
