@@ -3,10 +3,10 @@
     AMD:   VCEK <- ASK <- ARK        RSASSA-PSS, SHA-384, MGF1-SHA-384, salt 48 (every link)
     Intel: PCK  <- Platform CA <- Intel SGX Root CA      ECDSA P-256 with SHA-256
 
-A link holds when the issuer's subject is the certificate's issuer name, the certificate uses the
-vendor's algorithm, and the signature verifies under the issuer's key; every certificate on the path
-must also be valid at the verification time. The walk starts at the leaf and stops at a trusted root:
-roots come only from the verifier's trust directory, never from the evidence.
+A link holds when the issuer's subject is the certificate's issuer name, the issuer is a CA (basic
+constraints), the certificate uses the vendor's algorithm, and the signature verifies under the issuer's key;
+every certificate on the path must also be valid at the verification time. The walk starts at the leaf
+and stops at a trusted root: roots come only from the verifier's trust directory, never from the evidence.
 
 The trust directory holds PEM files, each role under one fixed name:
 
@@ -143,16 +143,29 @@ def _issuer_among(
     certificate: x509.Certificate, candidates: Sequence[x509.Certificate], scheme: SignatureScheme
 ) -> x509.Certificate | None:
     for candidate in candidates:
-        if candidate.subject == certificate.issuer and scheme.verifies(certificate, candidate):
+        if candidate.subject == certificate.issuer and _is_ca(candidate) and scheme.verifies(certificate, candidate):
             return candidate
     return None
+
+
+def _is_ca(certificate: x509.Certificate) -> bool:
+    """Whether `certificate` may issue others (basic constraints cA), as Go's x509 and OpenSSL require of every
+    issuer: otherwise a leaf's key (a PCK key extracted from one out-of-date platform) could mint a PCK certificate or
+    a TCB Signing certificate of its choosing, and its chain would still reach the vendor's root."""
+    try:
+        return certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        return False
 
 
 def _no_issuer(certificate: x509.Certificate, candidates: list[x509.Certificate], scheme: SignatureScheme) -> str:
     issuer = certificate.issuer.rfc4514_string()
     if certificate.signature_algorithm_oid != scheme.algorithm:
         return f"{describe(certificate)} is not signed with {scheme.name}"
-    if any(candidate.subject == certificate.issuer for candidate in candidates):
+    named = [candidate for candidate in candidates if candidate.subject == certificate.issuer]
+    if any(not _is_ca(candidate) and scheme.verifies(certificate, candidate) for candidate in named):
+        return f"{describe(certificate)} is signed by {issuer}, which is no CA (basic constraints): it cannot issue"
+    if named:
         return (f"{describe(certificate)} names issuer {issuer}, but its signature does not verify under "
                 "that certificate's key: the chain was signed by another root")
     return f"{describe(certificate)} is issued by {issuer}, which is neither a trusted root nor in the evidence"

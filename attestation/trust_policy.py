@@ -14,7 +14,7 @@ are optional and default to the strict choice, so a file written before them sta
     min_tcb: any | {NAME: N}      # the least SEV-SNP REPORTED_TCB components: bl, tee, snp, ucode (fmc on Turin)
     code_digests: any | [HEX]     # the node's code identity (64 hex characters)
     model_digests: any | {MODEL_ID: [HEX]}   # per served model id, its accepted weight digests
-    gpu: optional | required      # required: the evidence's GPU part must be present, CC on, and verified
+    gpu: optional | required      # required: the GPU part present, CC on, verified, measurements checked (RIMs)
   optional (default first):
     collateral: null | DIR        # vendor collateral (`attestation/collateral.py`), relative to this file
     tdx_tcb_status: [UpToDate] | any | [STATUS, ...]   # Intel TCB statuses accepted; not evaluated is refused
@@ -338,7 +338,8 @@ class TrustPolicy:
             "code_digests": [presented.code_digest] if presented.code_digest else ANY,
             "model_digests": ({model: [digest] for model, digest in sorted(presented.model_digests.items())}
                               if presented.model_digests else ANY),
-            "gpu": "required" if presented.gpu_verified else "optional",
+            "gpu": "required" if presented.gpu_verified and presented.gpu is not None
+                                  and presented.gpu.measurements_checked else "optional",
             "collateral": collateral,
         }
         if presented.tee_type == "tdx":
@@ -392,6 +393,11 @@ def _gpu_missing(presented: Presented) -> str | None:
     if not gpu.verified:
         unchecked = f" ({'; '.join(gpu.not_checked)})" if gpu.not_checked else ""
         return f"the GPU part of {gpu.devices} report(s) was not verified{unchecked}"
+    if not gpu.measurements_checked:
+        # nvtrust passes no GPU whose measurements it did not compare with NVIDIA's signed RIMs: a genuine GPU
+        # running a driver or VBIOS NVIDIA never published would otherwise count as verified.
+        return (f"the measurements of its {gpu.devices} report(s) were not compared with NVIDIA's signed RIMs (no "
+                "RIM files in the collateral)")
     return None
 
 

@@ -93,8 +93,10 @@ def certificate(
     not_after: datetime = NOW + timedelta(days=365),
     naming: Naming = name,
     serial_number: int | None = None,
+    ca: bool = False,
 ) -> x509.Certificate:
-    """A certificate signed the way its vendor signs: PSS SHA-384 for RSA keys, ECDSA SHA-256 for EC keys."""
+    """A certificate signed the way its vendor signs: PSS SHA-384 for RSA keys, ECDSA SHA-256 for EC keys; `ca`
+    marks an issuer (basic constraints cA, as AMD's and Intel's roots and intermediates carry it)."""
     builder = (
         x509.CertificateBuilder()
         .subject_name(naming(subject))
@@ -106,6 +108,8 @@ def certificate(
     )
     for oid, value in (extensions or {}).items():
         builder = builder.add_extension(x509.UnrecognizedExtension(x509.ObjectIdentifier(oid), value), critical=False)
+    if ca:
+        builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
     if isinstance(signing_key, rsa.RSAPrivateKey):
         return builder.sign(signing_key, hashes.SHA384(), rsa_padding=PSS)
     return builder.sign(signing_key, hashes.SHA256())
@@ -113,9 +117,9 @@ def certificate(
 
 def make_amd_pki(product: str = "Milan", naming: Naming = name) -> AmdPki:
     ark_key, ask_key, asvk_key = (rsa.generate_private_key(public_exponent=65537, key_size=2048) for _ in range(3))
-    ark = certificate(f"ARK-{product}", f"ARK-{product}", ark_key.public_key(), ark_key, naming=naming)
-    ask = certificate(f"SEV-{product}", f"ARK-{product}", ask_key.public_key(), ark_key, naming=naming)
-    asvk = certificate(f"SEV-VLEK-{product}", f"ARK-{product}", asvk_key.public_key(), ark_key, naming=naming)
+    ark = certificate(f"ARK-{product}", f"ARK-{product}", ark_key.public_key(), ark_key, naming=naming, ca=True)
+    ask = certificate(f"SEV-{product}", f"ARK-{product}", ask_key.public_key(), ark_key, naming=naming, ca=True)
+    asvk = certificate(f"SEV-VLEK-{product}", f"ARK-{product}", asvk_key.public_key(), ark_key, naming=naming, ca=True)
     return AmdPki(product=product, ark_key=ark_key, ark=ark, ask_key=ask_key, ask=ask, asvk_key=asvk_key, asvk=asvk,
                   naming=naming)
 

@@ -59,8 +59,8 @@ class IntelPki:
 
 def make_intel_pki() -> IntelPki:
     root_key, platform_key, pck_key, signing_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(4))
-    root = certificate(ROOT_NAME, ROOT_NAME, root_key.public_key(), root_key)
-    platform = certificate(PLATFORM_CA_NAME, ROOT_NAME, platform_key.public_key(), root_key)
+    root = certificate(ROOT_NAME, ROOT_NAME, root_key.public_key(), root_key, ca=True)
+    platform = certificate(PLATFORM_CA_NAME, ROOT_NAME, platform_key.public_key(), root_key, ca=True)
     pck = certificate("Intel SGX PCK Certificate", PLATFORM_CA_NAME, pck_key.public_key(), platform_key,
                       {SGX_OID: sgx_extension()})
     tcb_signing = certificate(TCB_SIGNING_NAME, ROOT_NAME, signing_key.public_key(), root_key)

@@ -3,6 +3,7 @@ chain verifies, an OutOfDate platform, a revoked PCK, absent or broken collatera
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from intel_forge import (
     PCK_TCB,
     PLATFORM_CA_NAME,
     QE_MRSIGNER,
+    SGX_OID,
+    TCB_SIGNING_NAME,
     TEE_TCB_SVN,
     IntelPki,
     certificate,
@@ -24,6 +27,7 @@ from intel_forge import (
     intel_collateral,
     make_intel_pki,
     qe_identity,
+    sgx_extension,
     tcb_info,
     tcb_level,
     tdx_quote,
@@ -174,3 +178,36 @@ def test_the_forged_pck_reads_as_intel_lays_it_out(pki: IntelPki) -> None:
     extensions = read_pck_extensions(pki.pck)
     assert (extensions.fmspc, extensions.pceid, extensions.tcb_components, extensions.pcesvn, extensions.cpusvn) == (
         FMSPC, bytes(2), PCK_TCB, PCESVN, bytes(PCK_TCB))
+
+
+def test_a_pck_certificate_minted_with_a_platforms_own_pck_key_is_refused(
+        pki: IntelPki, quote: bytes, roots: Path) -> None:
+    """Whoever extracts the PCK key of one out-of-date platform could sign a "PCK Platform CA" and under it a PCK
+    certificate claiming a current TCB: every link's signature holds and the path reaches Intel's root, but the real
+    PCK certificate is no CA. go-tdx-guest (x509 Verify) refuses it; this verifier judged it UpToDate."""
+    ca_key, pck_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    minted_ca = certificate(PLATFORM_CA_NAME, "Intel SGX PCK Certificate", ca_key.public_key(), pki.pck_key, ca=True)
+    current = (4, *PCK_TCB[1:])
+    minted = certificate("Intel SGX PCK Certificate", PLATFORM_CA_NAME, pck_key.public_key(), ca_key,
+                         {SGX_OID: sgx_extension(tcb=current)})
+    forged = tdx_quote(pki, attestation_key=ATTESTATION_KEY, qe_signing_key=pck_key,
+                       chain_pem=pem(minted, minted_ca, pki.pck, pki.platform, pki.root))
+    intel = {"tcb_info_50806f000000.json": tcb_info(pki, (tcb_level(current, PCESVN, TEE_TCB_SVN, "UpToDate"),
+                                                          OUT_OF_DATE)), "pck_crl_platform.der": b""}
+    assert judged(pki, quote, roots, **intel).tcb_status == "OutOfDate"  # the platform the key came from
+    assert rejected(pki, forged, roots, **intel) == (
+        "untrusted-chain", "CN=Intel SGX PCK Platform CA is signed by CN=Intel SGX PCK Certificate, which is no CA "
+        "(basic constraints): it cannot issue")
+
+
+def test_tcb_info_signed_under_a_tcb_signing_certificate_a_pck_key_minted_is_bad_collateral(
+        pki: IntelPki, quote: bytes, roots: Path) -> None:
+    """The same extracted PCK key could certify its own "Intel SGX TCB Signing" key and sign TCB info and QE identity
+    of its choosing; go-tdx-guest takes the signing certificate only as issued by the root."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    minted = certificate(TCB_SIGNING_NAME, "Intel SGX PCK Certificate", key.public_key(), pki.pck_key)
+    files = {"tcb_info_50806f000000.json": tcb_info(dataclasses.replace(pki, tcb_signing_key=key)),
+             "tcb_info_issuer_chain.pem": pem(minted, pki.pck, pki.platform, pki.root)}
+    assert rejected(pki, quote, roots, **files) == (
+        "bad-collateral", f"the issuer chain of {TCB_FILE}: CN=Intel SGX TCB Signing is signed by CN=Intel SGX PCK "
+        "Certificate, which is no CA (basic constraints): it cannot issue")

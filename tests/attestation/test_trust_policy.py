@@ -193,6 +193,19 @@ def test_gpu_required_refuses_naming_what_is_missing(gpu: GpuResult | None, mess
     assert judge(changed(SNP, gpu=gpu), gpu="required").refusals == (("gpu-missing", message),)
 
 
+def test_gpu_required_refuses_a_gpu_whose_measurements_were_not_compared_with_rims(tmp_path: Path) -> None:
+    """nvtrust passes no GPU without comparing its measurements with NVIDIA's RIMs: chain, signature and nonce
+    alone would accept any driver or VBIOS. A policy pinned from such a GPU does not require it either."""
+    unmeasured = changed(SNP, gpu=GpuResult(verified=True, devices=1, measurements_checked=False,
+                                            not_checked=("gpu measurements: no NVIDIA RIM files",)))
+    assert judge(unmeasured, gpu="required").refusals == (("gpu-missing", (
+        "gpu: required, and the measurements of its 1 report(s) were not compared with NVIDIA's signed RIMs (no RIM "
+        "files in the collateral)")),)
+    assert judge(unmeasured, gpu="optional").ok
+    assert TrustPolicy.pin(unmeasured, "roots")["gpu"] == "optional"
+    assert TrustPolicy.pin(changed(SNP, gpu=VERIFIED_GPU), "roots")["gpu"] == "required"
+
+
 def test_gpu_required_accepts_a_verified_gpu_part_and_the_head_line_names_it() -> None:
     verdict = judge(changed(SNP, gpu=VERIFIED_GPU), gpu="required")
     assert verdict.ok
