@@ -199,12 +199,12 @@ def _serve(args: argparse.Namespace) -> int:
                      hygiene={**hygiene.as_json(), "policy": policy.name}, tls=certificate)
     # The model, tokenizer and app are loaded for good: out of the collector's reach, a full collection
     # (which a request building many objects, e.g. 20,000 messages, sets off) no longer walks them all
-    # while holding the interpreter lock (/health stalled 240 ms during such a request before, 16 ms after).
+    # while holding the interpreter lock, stalling /health (RESULTS.md, 2026-11-30).
     gc.collect()
     gc.freeze()
-    forward = loaded.forward_path
+    forward = loaded.forward
     message = (_how_to_call(args.host, args.port, model_id, new_key, certificate) + _tls_lines(certificate)
-               + f"Forward: {forward.name} ({forward.reason}); TENZRO_NATIVE=off selects transformers' forward\n"
+               + f"Forward: {forward.backend} ({forward.reason}); TENZRO_NATIVE=off selects the library backend\n"
                + _lanes_line(service, config.limits.max_running) + _reserve_line(service))
     try:
         # A client that goes away cancels its handler, which stops its generation (router.edge.EdgeRunner).

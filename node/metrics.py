@@ -48,10 +48,11 @@ class _Counted(Collector):
 class NodeMetrics:
     def __init__(self, cached_bytes: Callable[[], float], queue_waiting: Callable[[], float],
                  snapshot_bytes: Callable[[], float] = lambda: 0.0,
-                 forward_path: tuple[str, str, str] | None = None,
+                 forward_backend: tuple[str, str, str] | None = None,
                  plaintext_bytes: Callable[[], float] = lambda: 0.0,
                  sealed_open_failures: Callable[[], float] = lambda: 0.0) -> None:
-        """`forward_path`: (model, path, reason) of the served model, reported as an info gauge."""
+        """`forward_backend`: (model, backend, reason) of the served model (`node/engine/forward.py`), reported as an
+        info gauge."""
         self.registry = CollectorRegistry()
         self.requests = Counter("tenzro_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
@@ -80,11 +81,11 @@ class NodeMetrics:
                                           sealed_open_failures)]))
         waiting = Gauge("tenzro_queue_waiting", "Requests waiting for the model", registry=self.registry)
         waiting.set_function(queue_waiting)
-        if forward_path is not None:
-            forward = Gauge("tenzro_forward_path", "Which forward runs the model's short chunks and decode steps "
-                            "(native CPU kernels or transformers), and why; always 1", ["model", "path", "reason"],
-                            registry=self.registry)
-            forward.labels(*forward_path).set(1)
+        if forward_backend is not None:
+            forward = Gauge("tenzro_forward_backend", "Which forward backend runs the model (native-cpu: the CPU "
+                            "kernels where they apply; library: transformers' modules), and why; always 1",
+                            ["model", "backend", "reason"], registry=self.registry)
+            forward.labels(*forward_backend).set(1)
 
     def observe_generation(self, prompt: int, reused: int, completion: int, ttft_s: float, wait_s: float) -> None:
         self.prompt_tokens.observe(prompt)

@@ -17,8 +17,8 @@ whether the screened tokens are the argmax of the native attention's logits.
 
 The process first takes the node's hygiene (`apply_hygiene`: memory locked where allowed, new allocations written
 by glibc), so that the lanes' pages exist before a step writes its new rows into them, as in the node, whose lanes
-are written at start. Without it, a step of 32 rows also took the page faults of its new rows: 84 against 75 ms
-(BATCHING.md, "Huge pages for the lanes, tried").
+are written at start. Without it, a step of 32 rows also took the page faults of its new rows (RESULTS.md,
+2026-12-04, "huge pages for the lanes, tried").
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ def main() -> None:
     torch.set_num_threads(1)
     model_id, path = resolve_model_dir(DEFAULT_MODEL, tenzro_home())
     loaded = load_model(model_id, path)
-    assert loaded.state is not None and loaded.decoder is not None, loaded.forward_path.reason
+    assert loaded.state is not None and loaded.forward.decoder is not None, loaded.forward.reason
     batched = BatchedDecode(loaded.model)
     native_attention = BatchedDecode(loaded.model, load_kernels().kernels)
     vocab = int(loaded.model.config.vocab_size)
-    print(f"forward: {loaded.forward_path.name} ({loaded.forward_path.reason}); context {args.context}, 1 thread")
+    print(f"forward: {loaded.forward.backend} ({loaded.forward.reason}); context {args.context}, 1 thread")
     linears = [m for m in loaded.model.modules() if isinstance(m, TransposedLinear)]
     packed = [m.packed for m in linears]
     print(f"{'batch':>5} {'native ms':>10} {'batched ms':>11} {'unpacked ms':>12} {'shared ms':>10} "
@@ -71,8 +71,8 @@ def main() -> None:
             for row, prompt in enumerate(prompts):
                 cache, _ = loaded.state.new_cache(len(prompt) + 2 * args.runs + 2, lane=base + row)
                 if args.shared:
-                    loaded.forward(prompt[:args.shared], 0, cache)
-                loaded.forward(prompt[args.shared:-1], args.shared, cache)
+                    loaded.forward.prefill(prompt[:args.shared], 0, cache)
+                loaded.forward.prefill(prompt[args.shared:-1], args.shared, cache)
                 caches.append(cache)
             sets.append(caches)
         length = min(equal_rows(sets[3][0], cache, args.shared) for cache in sets[3][1:]) if batch > 1 else 0
@@ -86,7 +86,7 @@ def main() -> None:
         for step in range(args.runs):
             at = [position + step for position in positions]
             started = time.perf_counter()
-            one = [loaded.forward([token], p, cache).logits() for token, p, cache in zip(tokens, at, sets[0],
+            one = [loaded.forward.prefill([token], p, cache).logits() for token, p, cache in zip(tokens, at, sets[0],
                                                                                          strict=True)]
             times[0].append(time.perf_counter() - started)
             started = time.perf_counter()
@@ -106,7 +106,8 @@ def main() -> None:
             fastest = native_attention.step(tokens, at, sets[4], loaded.device, shared)
             times[4].append(time.perf_counter() - started)
             started = time.perf_counter()
-            picked = [p.greedy() for p in loaded.step(native_attention, tokens, at, sets[5], shared, [True] * batch)]
+            stepped = loaded.forward.step(native_attention, tokens, at, sets[5], shared, [True] * batch)
+            picked = [p.greedy() for p in stepped]
             times[5].append(time.perf_counter() - started)
             agree &= picked == fastest.argmax(-1).tolist()
             for row, logits in enumerate(one):

@@ -41,7 +41,7 @@ def main() -> None:
     libraries = [library(sys.argv[1]), library(sys.argv[2])]
     lengths = [int(arg) for arg in sys.argv[3:]] or [1024, 2048]
     loaded = load_model(*resolve_model_dir(DEFAULT_MODEL, tenzro_home()))
-    decoder, state = loaded.decoder, loaded.state
+    decoder, state = loaded.forward.decoder, loaded.state
     assert decoder is not None and state is not None, "needs the CPU decoder: AVX-512, g++ and one thread"
     flush = torch.ones(80_000_000)  # 320 MB, more than the last-level cache
     with torch.inference_mode():

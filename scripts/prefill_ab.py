@@ -27,11 +27,11 @@ from node.engine.loader import DEFAULT_MODEL, LoadedModel, load_model, resolve_m
 
 def _ways(loaded: LoadedModel, cache: Any, chunk: list[int], history: int) -> dict[str, Callable[[], torch.Tensor]]:
     """The three ways to run `chunk` after `history` tokens of `cache`, each returning the last row's logits."""
-    decoder = loaded.decoder
+    decoder = loaded.forward.decoder
     assert decoder is not None
 
     def transformers() -> torch.Tensor:
-        shortcut = loaded.last_row.active() if loaded.last_row is not None else nullcontext()
+        shortcut = loaded.forward.last_row.active() if loaded.forward.last_row is not None else nullcontext()
         with shortcut:
             out = loaded.model(input_ids=torch.tensor([chunk]),
                                position_ids=torch.arange(history, history + len(chunk)).unsqueeze(0),
@@ -60,18 +60,18 @@ def main() -> None:
     model_id, path = resolve_model_dir(DEFAULT_MODEL, tenzro_home())
     loaded = load_model(model_id, path)
     state = loaded.state
-    assert loaded.decoder is not None and state is not None, loaded.forward_path.reason
+    assert loaded.forward.decoder is not None and state is not None, loaded.forward.reason
     vocab = int(loaded.model.config.vocab_size)
     histories = [int(h) for h in args.histories.split(",")]
     capacity = max(histories) + args.chunk
     ids = torch.randint(100, vocab, (capacity,), generator=torch.Generator().manual_seed(0)).tolist()
-    print(f"forward: {loaded.forward_path.name}; chunk {args.chunk} tokens, 1 thread")
+    print(f"forward: {loaded.forward.backend}; chunk {args.chunk} tokens, 1 thread")
     print(f"{'history':>7} {'transformers ms':>16} {f'native {PIECE_TOKENS} ms':>14} "
           f"{f'native {PIECE_TOKENS // 2} ms':>14} {'diff':>8}")
     for history in histories:
         cache, _ = state.new_cache(capacity)
         for start in range(0, history, 256):
-            loaded.forward(ids[start:min(history, start + 256)], start, cache)
+            loaded.forward.prefill(ids[start:min(history, start + 256)], start, cache)
         chunk = ids[history:history + args.chunk]
 
         ways = _ways(loaded, cache, chunk, history)

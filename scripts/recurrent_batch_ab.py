@@ -61,7 +61,7 @@ def main() -> None:
             for row, prompt in enumerate(prompts):
                 cache, _ = loaded.state.new_cache(len(prompt) + args.runs + 2, lane=base + row)
                 for start in range(0, len(prompt) - 1, 256):
-                    loaded.forward(prompt[start:min(start + 256, len(prompt) - 1)], start, cache)
+                    loaded.forward.prefill(prompt[start:min(start + 256, len(prompt) - 1)], start, cache)
                 caches.append(cache)
             sets.append(caches)
         tokens = [prompt[-1] for prompt in prompts]
@@ -79,7 +79,7 @@ def main() -> None:
                 if together:
                     got.append(batched.step(tokens, at, caches, loaded.device))
                 else:
-                    got.append(torch.stack([loaded.forward([token], p, cache).logits()
+                    got.append(torch.stack([loaded.forward.prefill([token], p, cache).logits()
                                             for token, p, cache in zip(tokens, at, caches, strict=True)]))
                 spent.append(time.perf_counter() - started)
             mamba2.SEQUENTIAL_SHARE.update(share)

@@ -68,7 +68,7 @@ def create_app(config: NodeConfig, config_path: Path, service: ModelService, met
         cached_bytes=lambda: float(arena.bytes_total) if arena is not None else 0.0,
         queue_waiting=lambda: float(scheduler.waiting),
         snapshot_bytes=lambda: float(arena.snapshot_bytes) if arena is not None else 0.0,
-        forward_path=(service.model_id, service.loaded.forward_path.name, service.loaded.forward_path.reason),
+        forward_backend=(service.model_id, service.loaded.forward.backend, service.loaded.forward.reason),
         plaintext_bytes=lambda: float(arena.hot_bytes) if arena is not None else 0.0,
         sealed_open_failures=lambda: float(arena.open_failures) if arena is not None else 0.0)
 

@@ -32,7 +32,7 @@ async def node_identity(request: web.Request) -> web.Response:
     meter, identity, service = request.app[METER], request.app[IDENTITY], request.app[SERVICE]
     served = identity.served
     prices = meter.pricing.current()
-    forward = service.loaded.forward_path
+    forward = service.loaded.forward
     return web.json_response({
         "object": "node",
         "model": service.model_id,
@@ -47,7 +47,7 @@ async def node_identity(request: web.Request) -> web.Response:
         "ledger_segment": meter.ledger.path.name,
         "prices": {name: wei_to_json(value) for name, value in prices.to_mapping().items()},
         "pricing_error": meter.pricing.reload_error,
-        "forward": {"path": forward.name, "reason": forward.reason},
+        "forward": {"backend": forward.backend, "reason": forward.reason},
         "engine": {**service.runner.engine_config(), "max_queue": service.scheduler.max_queue,
                    "max_running": service.scheduler.max_running},
         "sealing": service.runner.sealing_config(),

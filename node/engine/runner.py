@@ -27,8 +27,7 @@ from cache.replies import ReplyBook
 from cache.snapshot_policy import SnapshotPolicy
 from cache.token_digest import DigestRun
 from cache.working_cache import ROWS_GRAIN
-from node.engine.batch_forward import BatchedDecode, batch_blocker, batchable
-from node.engine.cpu_kernels import load_kernels
+from node.engine.batch_forward import batch_blocker, batchable
 from node.engine.detokenizer import Detokenizer
 from node.engine.kinship import FOLLOW_MIN, Kinship, best_donor, copied_snapshots, copy_rows, held_state
 from node.engine.loader import LoadedModel
@@ -73,13 +72,7 @@ class Runner:
         self._live: dict[int, Running] = {}
         """Running sequences by lane."""
         self._kinship = Kinship()
-        kernels = load_kernels().kernels
-        # The native decode attention is single-threaded float32 on the CPU, as the native forward is.
-        native = (kernels is not None and torch.get_num_threads() == 1 and loaded.device.type == "cpu"
-                  and loaded.dtype == torch.float32)
-        self._batched = BatchedDecode(loaded.model, kernels if native else None)
-        self.decode_attention = "native" if native else "sdpa"
-        """What attends each row's own history in a batched decode step."""
+        self._batched = loaded.forward.batched_decode()
         self.batching = batch_blocker(loaded.model)
         """Why decode steps of several sequences cannot run as one forward on this model (None: they do)."""
         self.decode_steps = 0
@@ -104,7 +97,7 @@ class Runner:
             # Learn the buffers' shapes (heads, head dim, dtype per layer) from one token run in lane 0.
             with torch.inference_mode():
                 cache, _ = state.new_cache(1, lane=0)
-                self.loaded.forward([0], 0, cache)
+                self.loaded.forward.prefill([0], 0, cache)
                 state.wipe_pool(0, 1, lane=0)
         row_bytes = state.lane_row_bytes(0)
         if not row_bytes:
@@ -120,7 +113,7 @@ class Runner:
         so that it says nothing of other callers' traffic."""
         return {"batched_decode": self.batching is None,
                 "reason": self.batching or "every layer is attention or recurrent",
-                "prefill_chunk": self.prefill_chunk, "decode_attention": self.decode_attention,
+                "prefill_chunk": self.prefill_chunk, "decode_attention": self.loaded.forward.decode_attention,
                 "reserved_lane_rows": self.lane_rows}
 
     def engine_state(self) -> dict[str, Any]:
@@ -288,8 +281,7 @@ class Runner:
                     self._dirty[lane] = max(keep, state.wipe_pool(keep, dirty, lane, waiting or stop))
         if self.arena is not None:
             self.arena.wipe_scratch()
-        if self.loaded.decoder is not None:
-            self.loaded.decoder.wipe_scratch()
+        self.loaded.forward.wipe_scratch()
         self._batched.wipe_scratch()
 
     def drop_caller(self, caller: str) -> None:
@@ -391,7 +383,7 @@ class Runner:
     def prefill(self, seq: Running) -> None:
         """Run the next chunk of `seq`'s prompt; after the last, choose its first token."""
         stop = seq.stops.pop(0)
-        seq.prediction = self.loaded.forward(seq.request.prompt[seq.position:stop], seq.position, seq.cache)
+        seq.prediction = self.loaded.forward.prefill(seq.request.prompt[seq.position:stop], seq.position, seq.cache)
         if not self._opened_all(seq, restart=True):
             return
         seq.position = stop
@@ -411,13 +403,14 @@ class Runner:
             tokens = [seq.output[-1] for seq in seqs]
             positions = [len(seq.request.prompt) + len(seq.output) - 1 for seq in seqs]
             groups, greedy = self._kinship.groups(seqs, self._live), [seq.sampler.params.argmax_only for seq in seqs]
-            predictions = self.loaded.step(self._batched, tokens, positions, [s.cache for s in seqs], groups, greedy)
+            caches = [seq.cache for seq in seqs]
+            predictions = self.loaded.forward.step(self._batched, tokens, positions, caches, groups, greedy)
             for seq, prediction in zip(seqs, predictions, strict=True):
                 seq.prediction = prediction
         else:
             for seq in seqs:
-                seq.prediction = self.loaded.forward([seq.output[-1]], len(seq.request.prompt) + len(seq.output) - 1,
-                                                     seq.cache)
+                position = len(seq.request.prompt) + len(seq.output) - 1
+                seq.prediction = self.loaded.forward.prefill([seq.output[-1]], position, seq.cache)
         for seq in seqs:
             self._choose(seq)
 
@@ -535,7 +528,7 @@ class Runner:
         elif output and self.prefix_cache is not None:
             if not seq.fed:
                 # The last token was sampled but not yet run: run it so the stored state ends with the reply.
-                self.loaded.extend([output[-1]], len(fed) - 1, seq.cache)
+                self.loaded.forward.extend([output[-1]], len(fed) - 1, seq.cache)
             self._snapshot_stored_end(seq, len(fed))
         # One run of digests for the index, the hot working cache and the remembered forms.
         held = self.prefix_cache.digest(request.scope, fed) if self.prefix_cache is not None else fed

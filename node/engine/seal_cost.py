@@ -45,7 +45,7 @@ def measure_seal_cost(loaded: LoadedModel, sealer: Sealer) -> SealCost:
     while more_rounds(compute_s):
         cache, _ = state.new_cache(tokens)
         started = time.perf_counter()
-        loaded.forward(ids, 0, cache)
+        loaded.forward.prefill(ids, 0, cache)
         compute_s.append(time.perf_counter() - started)
     state.materialize(cache)
     scope = Scope("", loaded.model_id + PROBE_MODEL_SUFFIX)

@@ -248,7 +248,7 @@ def working_cache_rows(model_dir: Path, prompt: list[int]) -> dict[RowKey, bytes
     cache, _ = loaded.state.new_cache(len(prompt))
     chunk = Limits().prefill_chunk
     for start in range(0, len(prompt), chunk):
-        loaded.forward(prompt[start:start + chunk], start, cache)
+        loaded.forward.prefill(prompt[start:start + chunk], start, cache)
     rows: dict[RowKey, bytes] = {}
     for index, layer in enumerate(cache.layers):
         # A first-layer value row is a function of its token alone: any prompt holding that token (the node's

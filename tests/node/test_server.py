@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import aiohttp
@@ -12,6 +13,7 @@ import pytest
 
 from cache.arena import Scope
 from node.engine.chat_template import render_chat
+from node.engine.cpu_kernels import load_kernels
 from node.engine.loader import load_model
 from node.engine.runner import GenerationRequest, Runner
 from node.engine.sampling import SamplingParams
@@ -273,9 +275,14 @@ def test_models_and_metrics(node_factory, small_model_dir: Path) -> None:
 
 
 def test_the_node_says_which_forward_its_model_runs_and_why(node_factory, small_model_dir: Path) -> None:
-    """The same choice as an in-process load on this machine (native kernels or transformers), in the start
-    log, `GET /v1/node` and `/metrics`."""
-    expected = load_model(small_model_dir.name, small_model_dir).forward_path
+    """The same choice as an in-process load on this machine, in the start log, `GET /v1/node` and `/metrics`:
+    `native-cpu` where the kernels load, `library` under TENZRO_NATIVE=off (`make test`'s second pass) or where
+    they do not, so the two passes check both backends."""
+    expected = load_model(small_model_dir.name, small_model_dir).forward
+    if os.environ.get("TENZRO_NATIVE") == "off":
+        assert (expected.backend, expected.reason) == ("library", "switched off by TENZRO_NATIVE=off")
+    else:
+        assert expected.backend == ("native-cpu" if load_kernels().kernels is not None else "library")
     node = node_factory(small_model_dir)
     operator = node.add_key("ops", "operator")
 
@@ -287,13 +294,13 @@ def test_the_node_says_which_forward_its_model_runs_and_why(node_factory, small_
                 return identity, await resp.text()
 
     identity, metrics = asyncio.run(read())
-    assert identity["forward"] == {"path": expected.name, "reason": expected.reason}
+    assert identity["forward"] == {"backend": expected.backend, "reason": expected.reason}
     reason = expected.reason.replace("\\", "\\\\").replace('"', '\\"')
-    assert (f'tenzro_forward_path{{model="{small_model_dir.name}",path="{expected.name}",reason="{reason}"}} 1.0'
-            in metrics.splitlines())
+    assert (f'tenzro_forward_backend{{backend="{expected.backend}",model="{small_model_dir.name}",reason="{reason}"}} '
+            '1.0' in metrics.splitlines())
     log = (node.config.parent / "node.log").read_text()
-    assert f"model {small_model_dir.name}: {expected.name} forward ({expected.reason})" in log
-    assert f"Forward: {expected.name} ({expected.reason})" in log
+    assert f"model {small_model_dir.name}: {expected.backend} forward ({expected.reason})" in log
+    assert f"Forward: {expected.backend} ({expected.reason})" in log
 
 
 @pytest.mark.parametrize("bad", ["/nonexistent"])

@@ -238,7 +238,7 @@ async def test_settle_zeroes_the_native_attention_scratch(small_model_dir: Path,
     once the replies are out it reads back as zeros."""
     loaded = load_model("small", small_model_dir)
     runner = reuse_runner(loaded)
-    if runner.decode_attention != "native":
+    if loaded.forward.decode_attention != "native":
         pytest.skip("the native decode attention runs only where the kernels load and torch runs one thread")
     await run_together(runner, requests(loaded.model_id))
     scratch = runner._batched._work
@@ -331,7 +331,7 @@ def prefilled(loaded: LoadedModel, prompt: list[int], lane: int) -> DynamicCache
     assert loaded.state is not None
     cache = loaded.state.new_cache(len(prompt) + 8, lane=lane)[0]
     for start in range(0, len(prompt), 64):  # the same chunks for every prompt: the same rows for the same tokens
-        loaded.forward(prompt[start:start + 64], start, cache)
+        loaded.forward.prefill(prompt[start:start + 64], start, cache)
     return cache
 
 
@@ -378,17 +378,17 @@ def test_a_steps_greedy_rows_take_their_tokens_from_one_screen_of_the_head(small
     logits; the other rows' logits are those of the plain step. With more greedy rows than a screen takes every
     row's logits come from the model's head."""
     loaded = load_model("small", small_model_dir)
-    if loaded.decoder is None:
-        pytest.skip(f"no CPU decoder: {loaded.forward_path.reason}")
+    if loaded.forward.decoder is None:
+        pytest.skip(f"no CPU decoder: {loaded.forward.reason}")
     prompts = [tokens(i, 5 + 7 * i) for i in range(rows)]
     greedy = [all_greedy or row % 3 != 1 for row in range(rows)]
     steps = [5 + row for row in range(rows)], [len(prompt) for prompt in prompts]
     logits = BatchedDecode(loaded.model).step(*steps, [prefilled(loaded, p, lane) for lane, p in enumerate(prompts)],
                                               loaded.device)
     caches = [prefilled(loaded, prompt, rows + lane) for lane, prompt in enumerate(prompts)]
-    predictions = loaded.step(BatchedDecode(loaded.model), *steps, caches, (), greedy)
-    screened = loaded.decoder.screens(greedy)
-    assert screened == (sum(greedy) <= SCREENED_ROWS or loaded.decoder.screens_every_row)
+    predictions = loaded.forward.step(BatchedDecode(loaded.model), *steps, caches, (), greedy)
+    screened = loaded.forward.decoder.screens(greedy)
+    assert screened == (sum(greedy) <= SCREENED_ROWS or loaded.forward.decoder.screens_every_row)
     for row, prediction in enumerate(predictions):
         assert (isinstance(prediction, RowPrediction) and prediction.index is not None) == (screened and greedy[row])
         assert prediction.greedy() == int(logits[row].argmax())
@@ -414,7 +414,7 @@ def test_a_batched_step_of_recurrent_layers_continues_each_sequences_state(famil
         ids, positions = [500 + step + i for i in range(3)], [len(prompt) + step for prompt in prompts]
         got = steps.step(ids, positions, together, loaded.device)
         for row in range(3):
-            want = loaded.forward([ids[row]], positions[row], alone[row]).logits()
+            want = loaded.forward.prefill([ids[row]], positions[row], alone[row]).logits()
             assert float((got[row] - want).abs().max() / want.abs().max()) < 1e-5, (family, step, row)
             assert int(got[row].argmax()) == int(want.argmax())
     assert loaded.state is not None

@@ -12,7 +12,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCon
 from cache.adapters import ModelStateAdapter
 from cache.state_spec import model_state_specs
 from cache.working_cache import GrowableKVLayer
-from node.engine import loader
+from node.engine import forward
 from node.engine.cpu_decoder import PIECE_TOKENS, CpuDecoder
 from node.engine.cpu_kernels import CpuKernels
 from node.engine.cpu_layout import transpose_linear_weights
@@ -115,38 +115,39 @@ def test_loader_serves_the_small_model_through_the_decoder_on_one_thread(
         kernels: CpuKernels, small_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.get_num_threads() == 1  # tests/conftest.py
     loaded = load_model("small", small_model_dir)
-    assert loaded.decoder is not None and loaded.state is not None
-    assert loaded.forward_path.name == "native"
-    assert loaded.forward_path.reason.endswith("checked against transformers' forward at load")
-    monkeypatch.setattr(loader, "_available_memory", lambda: 2 * 1024 * 1024)
-    roomless = load_model("small", small_model_dir)  # no room for a packed copy of its weights and head screens
-    assert roomless.decoder is None and roomless.forward_path == loader.ForwardPath(
-        "transformers", "no room for the packed copy of the weights (12 MiB; 2 MiB of memory available)")
-    monkeypatch.setattr(loader, "_available_memory", lambda: None)
-    assert load_model("small", small_model_dir).decoder is not None
+    assert loaded.forward.decoder is not None and loaded.state is not None
+    assert (loaded.forward.backend, loaded.forward.decode_attention) == ("native-cpu", "native")
+    assert loaded.forward.reason.endswith("checked against transformers' forward at load")
+    monkeypatch.setattr(forward, "available_memory", lambda: 2 * 1024 * 1024)
+    roomless = load_model("small", small_model_dir).forward  # no room for a packed copy of its weights and screens
+    assert (roomless.decoder, roomless.backend, roomless.reason, roomless.decode_attention) == (
+        None, "library", "no room for the packed copy of the weights (12 MiB; 2 MiB of memory available)", "native")
+    monkeypatch.setattr(forward, "available_memory", lambda: None)
+    assert load_model("small", small_model_dir).forward.decoder is not None
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    threaded = load_model("small", small_model_dir)
-    assert threaded.decoder is None and threaded.forward_path.reason == (
-        "the native kernels are single-threaded and the node runs 2 torch threads")
+    threaded = load_model("small", small_model_dir).forward
+    assert (threaded.decoder, threaded.backend, threaded.decode_attention, threaded.reason) == (
+        None, "library", "sdpa", "the native kernels are single-threaded and the node runs 2 torch threads")
 
 
 def test_the_switch_keeps_a_model_on_transformers_forward(kernels: CpuKernels, small_model_dir: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TENZRO_NATIVE", "off")
     loaded = load_model("small", small_model_dir)
-    assert loaded.decoder is None and loaded.state is not None
-    assert loaded.forward_path == loader.ForwardPath("transformers", "switched off by TENZRO_NATIVE=off")
+    assert loaded.forward.decoder is None and loaded.state is not None
+    assert (loaded.forward.backend, loaded.forward.reason, loaded.forward.decode_attention) == (
+        "library", "switched off by TENZRO_NATIVE=off", "sdpa")
 
 
 def test_a_model_class_without_a_native_decoder_says_so(kernels: CpuKernels, tmp_path: Path) -> None:
     loaded = load_model("m", init_model("mistral", tmp_path / "m", "small"))
-    assert loaded.forward_path == loader.ForwardPath("transformers", "MistralForCausalLM has no CPU decoder")
+    assert (loaded.forward.backend, loaded.forward.reason) == ("library", "MistralForCausalLM has no CPU decoder")
 
 
 def test_a_decoder_that_disagrees_with_transformers_is_not_used(
         kernels: CpuKernels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     directory = init_model("dense", tmp_path / "dense", "small")
-    monkeypatch.setattr(loader.CpuDecoder, "forward", lambda self, ids, start, cache: Logits(torch.zeros(32000)))
+    monkeypatch.setattr(forward.CpuDecoder, "forward", lambda self, ids, start, cache: Logits(torch.zeros(32000)))
     loaded = load_model("small", directory)
-    assert loaded.decoder is None and loaded.state is not None
-    assert loaded.forward_path.reason == "the native forward failed its check against transformers' forward at load"
+    assert loaded.forward.decoder is None and loaded.state is not None
+    assert loaded.forward.reason == "the native forward failed its check against transformers' forward at load"

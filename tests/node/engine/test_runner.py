@@ -10,6 +10,7 @@ import torch
 
 from cache.arena import Scope
 from node.engine.cpu_kernels import NativeLayer
+from node.engine.forward import Forward
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, Runner
 from node.engine.sampling import SamplingParams
@@ -122,8 +123,8 @@ def test_a_prefix_restored_after_another_callers_request_is_read_where_it_is_sto
         loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """Bob's request takes the working buffers, so Alice's prefix comes back from the store: the resumed
     forward reads the stored pieces in place (no copy before the first token), decoding then joins them."""
-    if loaded.decoder is None:
-        pytest.skip(f"the native forward is not loaded: {loaded.forward_path.reason}")
+    if loaded.forward.decoder is None:
+        pytest.skip(f"the native forward is not loaded: {loaded.forward.reason}")
     assert loaded.state is not None
     reuse, plain = fresh_runner(loaded), Runner(loaded, None)
     history = tokens(21, 150)
@@ -153,9 +154,9 @@ def test_without_reuse_the_prefill_is_not_cut_for_snapshots(small_model_dir: Pat
     hybrid = load_model("h", init_model("bamba", tmp_path / "h", size="small"))
     plain = Runner(hybrid, None, prefill_chunk=1024)
     lengths: list[int] = []
-    forward = LoadedModel.forward
-    monkeypatch.setattr(LoadedModel, "forward", lambda self, ids, start, cache: lengths.append(len(ids))
-                        or forward(self, ids, start, cache))
+    prefill = Forward.prefill
+    monkeypatch.setattr(Forward, "prefill", lambda self, ids, start, cache: lengths.append(len(ids))
+                        or prefill(self, ids, start, cache))
     plain.generate(GenerationRequest(Scope("c", "h"), tokens(14, 300), SamplingParams(1, 0.0), boundaries=(90, 200)),
                    emit=lambda _: None, cancelled=lambda: False)
     assert lengths == [300]

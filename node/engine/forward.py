@@ -1,0 +1,181 @@
+"""The one forward interface the engine runs a model through, and the one place it is chosen (`choose_forward`).
+
+Two backends, chosen once per model at load; the choice and its reason are logged and reported (`GET /v1/node`,
+`/metrics`):
+
+    library      transformers' modules, attention through torch's `scaled_dot_product_attention` (or the model's
+                 own eager function where it needs one): any device, every family. Its parts are the chunk
+                 forward with the last layer for the last position only (`last_row.py`), the batched decode
+                 step (`batch_forward.BatchedDecode`), and the Mamba continuations installed at load
+                 (`mamba1.py`, `mamba2.py`).
+    native-cpu   the library backend, with the node's CPU kernels doing what they do better: short chunks and
+                 single decode rows (`CpuDecoder.takes`), and the head screened for greedy rows of a batched
+                 step. It needs the kernels (built at install, an AVX-512 CPU, not switched off by
+                 TENZRO_NATIVE=off), one torch thread, float32, a model class `cpu_decoder.py` implements, room
+                 for its packed weights, and a forward that reproduces the library's, checked at load.
+
+The batched step's attention over each row's own history is the native decode attention wherever the kernels
+run on one thread in float32, whatever the backend (a model class without a CPU decoder still steps its rows
+with it); `Forward.decode_attention` names it. Both are decided here and nowhere else: the runner asks its
+`Forward` for a batched step (`batched_decode`) and calls `prefill`, `extend` and `step`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers import DynamicCache
+
+from node.engine.batch_forward import BatchedDecode, Shared
+from node.engine.cpu_decoder import CpuDecoder, unsupported_reason
+from node.engine.cpu_kernels import CpuKernels, load_kernels
+from node.engine.last_row import LastRow
+from node.engine.prediction import Logits, Prediction
+from node.log_privacy import Safe
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["library", "native-cpu"]
+
+LAST_ROW_AGREEMENT = 1e-4
+"""Largest |difference| from the plain forward's logits, relative to the largest |logit| (float32 sums in
+another order differ by about 1e-6)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """A model's forward: `prefill` a chunk, `extend` without logits, `step` many rows at once."""
+
+    backend: Backend
+    reason: str
+    """Why this backend: what the native kernels needed and found, or what they lacked."""
+    model: Any
+    device: torch.device
+    last_row: LastRow | None = None
+    """Hooks that compute the last layer for the last position only (`last_row.py`); None: it runs in full."""
+    decoder: CpuDecoder | None = None
+    """The kernels' forward for short chunks and decode rows; set exactly for `native-cpu`."""
+    decode_kernels: CpuKernels | None = None
+    """The kernels the batched step attends each row's own history with; None: the model's attention (SDPA)."""
+
+    @property
+    def decode_attention(self) -> str:
+        """What attends each row's own history in a batched decode step: "native" or "sdpa"."""
+        return "native" if self.decode_kernels is not None else "sdpa"
+
+    def batched_decode(self) -> BatchedDecode:
+        """A batched decode step for one runner (its scratch and counters are the runner's own)."""
+        return BatchedDecode(self.model, self.decode_kernels)
+
+    def prefill(self, ids: list[int], start: int, cache: DynamicCache) -> Prediction:
+        """Run `ids` at positions `[start, start + len)` into `cache`; returns the last position's prediction
+        (logits `[vocab]` in float32 on demand)."""
+        if self.decoder is not None and self.decoder.takes(len(ids), cache):
+            return self.decoder.forward(ids, start, cache)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
+        with self.last_row.active() if self.last_row is not None and len(ids) > 1 else nullcontext():
+            out = self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True,
+                             logits_to_keep=1)
+        return Logits(out.logits[0, -1].float())
+
+    def extend(self, ids: list[int], start: int, cache: DynamicCache) -> None:
+        """Run `ids` into `cache` when no logits are wanted (the reply's last token, fed for its state)."""
+        if self.decoder is not None and self.decoder.takes(len(ids), cache):
+            self.decoder.extend(ids, start, cache)
+        else:
+            self.prefill(ids, start, cache)
+
+    def step(self, batched: BatchedDecode, tokens: Sequence[int], positions: Sequence[int],
+             caches: Sequence[DynamicCache], shared: Sequence[Shared], greedy: Sequence[bool]) -> list[Prediction]:
+        """One batched decode step (`BatchedDecode.step`) and each row's prediction. Where the CPU decoder
+        screens the head for so many greedy rows (`greedy[b]`: row b's token is the argmax), it scores them."""
+        screened = self.decoder is not None and self.decoder.screens(greedy)
+        out = batched.step(tokens, positions, caches, self.device, shared, hidden=screened)
+        if screened:
+            assert self.decoder is not None
+            return self.decoder.score_rows(out, greedy)
+        return [Logits(row) for row in out]
+
+    def wipe_scratch(self) -> None:
+        """Zero the native decoder's scratch (it held an ended request's activations)."""
+        if self.decoder is not None:
+            self.decoder.wipe_scratch()
+
+
+def choose_forward(model: Any, device: torch.device, dtype: torch.dtype, model_id: str) -> Forward:
+    """The backend for a loaded model, logged once with its reason."""
+    last_row = LastRow.install(model)
+    if last_row is not None and not last_row_agrees(model, last_row):
+        log.warning("model %s: its last layer does not reduce to the last position; it runs in full", Safe(model_id))
+        last_row = None
+    kernels = load_kernels().kernels
+    one_thread_f32 = torch.get_num_threads() == 1 and device.type == "cpu" and dtype == torch.float32
+    decode_kernels = kernels if kernels is not None and one_thread_f32 else None
+    decoder, reason = _cpu_decoder(model) if device.type == "cpu" else (None, f"the model runs on {device.type}")
+    forward = Forward("native-cpu" if decoder is not None else "library", reason, model, device, last_row=last_row,
+                      decoder=decoder, decode_kernels=decode_kernels)
+    log.info("model %s: %s forward (%s); decode attention %s", Safe(model_id), Safe(forward.backend), Safe(reason),
+             Safe(forward.decode_attention))
+    return forward
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel could still hand out (MemAvailable), or None where /proc/meminfo is not there."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cpu_decoder(model: Any) -> tuple[CpuDecoder | None, str]:
+    """The kernels' forward where it applies, else None; and why. It needs the kernels (built at install,
+    an AVX-512 CPU, not switched off), one torch thread (the kernels are single-threaded), room for its
+    packed copy of the weights (at most half of the memory still available), a model class it implements,
+    and a short forward that reproduces transformers' own (checked here)."""
+    found = load_kernels()
+    if found.kernels is None:
+        return None, found.reason
+    threads = torch.get_num_threads()
+    if threads != 1:
+        return None, f"the native kernels are single-threaded and the node runs {threads} torch threads"
+    unsupported = unsupported_reason(model)
+    if unsupported is not None:
+        return None, unsupported
+    weights = sum(m.weight.numel() * 4 for m in model.modules() if hasattr(m, "in_features"))
+    head = getattr(model, "lm_head", None)
+    weights += 2 * head.weight.numel() if head is not None else 0  # the head's two int8 screens (at most)
+    available = available_memory()
+    if available is not None and weights > available // 2:
+        return None, (f"no room for the packed copy of the weights ({weights >> 20} MiB; "
+                      f"{available >> 20} MiB of memory available)")
+    decoder = CpuDecoder(model, found.kernels)
+    if not decoder.agrees_with_model():
+        return None, "the native forward failed its check against transformers' forward at load"
+    return decoder, f"{found.reason}, checked against transformers' forward at load"
+
+
+@torch.inference_mode()
+def last_row_agrees(model: Any, last_row: LastRow) -> bool:
+    """Whether the forward with `last_row` active gives the plain forward's last logits: one pass, and a chunk
+    that continues a cache (its attention mask then covers more keys than queries)."""
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    ids = torch.randint(min(100, vocab - 1), vocab, (1, 29), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)
+    plain = model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+    with last_row.active():
+        whole = model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :8], cache=cache, use_cache=True)
+        chunk = model(input_ids=ids[:, 8:], cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
+    bound = LAST_ROW_AGREEMENT * max(1.0, float(plain.abs().max()))
+    return all(float((got - plain).abs().max()) <= bound for got in (whole, chunk))
