@@ -36,9 +36,8 @@ __all__ = ["BLOCK_TOKENS", "Scope", "SealCost", "SealedEntryError", "SpanHandle"
 
 Payload = SpanState | Snapshot
 BLOCK_TOKENS = 4096
-"""Tokens of one head in one sealed message: 1 MiB at head dim 64 in float32. Measured on a 4k-token sealed hit
-of the default model: 1024-token messages (512 of them) cost 6 ms of Python before the first byte is opened,
-4096-token ones 2 ms, at the same opening rate."""
+"""Tokens of one head in one sealed message: 1 MiB at head dim 64 in float32. Fewer, larger messages cost less
+Python before the first byte is opened, at the same opening rate (RESULTS.md, 2026-11-30)."""
 SEAL_BATCH_BYTES = 8 * 1024 * 1024
 """Plaintext sealed between two looks for a waiting request (whole messages, at least one): a few milliseconds
 on all cores. Counted in bytes, not messages: a span of a few hundred tokens has a hundred messages of tens of

@@ -3,8 +3,8 @@
 Every sealed entry's ciphertext needs memory. Allocated fresh, it is populated and locked when it is made
 (`mlockall(MCL_FUTURE)`, `node/hygiene.py`), in the engine's thread, while the callers of the wave that just ended
 wait for their next turns. On a VM whose free memory the host has taken back (virtio-balloon's free page
-reporting) each fresh page costs the host a fault: about 40 us, 10 ms per MiB sealed, ten times the rest of sealing
-(`node/engine/BATCHING.md`, "Fresh memory on a VM"). vLLM reserves its KV cache at start too.
+reporting) each fresh page costs a fault the host serves, which can cost more than the rest of sealing
+(`node/engine/BATCHING.md`, "Fresh memory on a VM"; RESULTS.md, 2026-12-03). vLLM reserves its KV cache at start too.
 
 `BlobMemory` holds slabs written once at start (`cache.reserve_bytes`, as the lanes are, `limits.lane_bytes`) and
 hands out their byte ranges first fit; an entry that goes gives its range back zeroed, for the next ciphertext. A

@@ -91,10 +91,8 @@ class Sealer:
 
     Rows that open while the forward reading them computes (`open_later`) open on the cores the forward leaves
     idle, `threads - compute_threads` of them: on all cores, the opening threads would share the forward's core
-    with it. With the default model on 2 cores and one torch thread, a sealed hit's TTFT over a hot hit's
-    (median of 7; two pairs alternating, `bench seal`) fell from 1.2 to 2.3, 3.7 to 8.2 and 5.9 to 6.7 ms at 1k,
-    4k and 8k tokens to 1.0 to 1.2, 0.8 to 2.0 and 3.6 to 4.9 ms. A forward on every core leaves none idle: then
-    all threads open.
+    with it, and a sealed hit's time to first token over a hot hit's is lower when they do not (`bench seal`;
+    RESULTS.md, 2026-12-04). A forward on every core leaves none idle: then all threads open.
     """
 
     def __init__(self, threads: int | None = None, compute_threads: int = 0) -> None:

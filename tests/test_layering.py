@@ -34,7 +34,7 @@ ALLOWED = {
 
 def imported_roots(path: Path) -> set[str]:
     allowed = ALLOWED.get(str(path.relative_to(ROOT)), {})
-    roots = set()
+    roots: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             roots.update(alias.name.split(".")[0] for alias in node.names if alias.name not in allowed)
@@ -97,3 +97,71 @@ def test_the_router_reads_summaries_and_nothing_else_of_the_cache() -> None:
     loaded = subprocess.run([sys.executable, "-c", "import sys, router.app, router.cli; print('torch' in sys.modules)"],
                             cwd=ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "False"
+
+
+INSIDE_NODE = {
+    "node/engine": {"node.api", "node.service", "node.cli"},
+    "node/service.py": {"node.api", "node.cli"},
+}
+"""Layers inside `node` (issue 37): the engine runs models for the service, which the HTTP layer calls; neither
+reaches up. A folder or file, and the modules (with their submodules) it never imports."""
+SCRIPT_USERS = ("node", "cache", "metering", "attestation", "policies", "bench", "router", "client", "tests")
+"""Everything that could import a script: none may. A script is a command run by its path (tests run them so)."""
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every absolute module name `path` imports, `from X import Y` counted as both X and X.Y (Y may be a module);
+    imports under `TYPE_CHECKING` count too: they are the layering a reader sees."""
+    modules: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules.add(node.module)
+            modules.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return modules
+
+
+def python_files(where: str) -> list[Path]:
+    path = ROOT / where
+    return sorted(path.rglob("*.py")) if path.is_dir() else [path]
+
+
+@pytest.mark.parametrize("where", sorted(INSIDE_NODE))
+def test_layers_inside_node_import_one_way(where: str) -> None:
+    above = INSIDE_NODE[where]
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(name for name in imported_modules(path)
+                                            if any(name == up or name.startswith(up + ".") for up in above))
+        for path in python_files(where)
+    }
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
+def test_the_engine_loads_no_module_above_it() -> None:
+    """Not even through what it imports: every engine module imported, nothing of the service, api or CLI loaded."""
+    names = ", ".join(str(path.relative_to(ROOT)).removesuffix(".py").replace("/", ".")
+                      for path in python_files("node/engine") if path.name != "__init__.py")
+    loaded = subprocess.run([sys.executable, "-c", f"import sys, {names}; print(sorted(m for m in sys.modules "
+                             "if m.startswith(('node.api', 'node.service', 'node.cli'))))"],
+                            cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"
+
+
+def test_no_script_imports_another() -> None:
+    """Scripts may import any package of the project (they measure its internals on purpose), but no other script:
+    `python scripts/x.py` puts scripts/ first on the path, so a sibling would be importable by its bare name."""
+    siblings = {path.stem for path in python_files("scripts")} | {"scripts"}
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(name for name in imported_modules(path) if name.split(".")[0] in siblings)
+        for path in python_files("scripts")
+    }
+    assert len(offenders) >= 10  # the rule reads the scripts that exist
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
+@pytest.mark.parametrize("where", SCRIPT_USERS)
+def test_nothing_imports_a_script(where: str) -> None:
+    offenders = {str(path.relative_to(ROOT)) for path in python_files(where)
+                 if any(name.split(".")[0] == "scripts" for name in imported_modules(path))}
+    assert offenders == set()

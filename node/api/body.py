@@ -23,9 +23,8 @@ INLINE_JSON_BYTES = 64 * 1024
 
 ORJSON_MAX_BYTES = 1024 * 1024
 """Bodies over this size are parsed by the standard library's json. With the node's memory locked (hygiene's
-mlockall), orjson builds one large string about ten times slower than json does, holding the interpreter lock
-all the while: an 8 MB text prompt took 38 ms against json's 3 ms, 145 ms inside a serving node, and /health
-waited that long. Below a megabyte orjson is as fast or faster (a 20,000-message chat: 2.8 against 3.7 ms)."""
+mlockall), orjson builds one large string far slower than json does, holding the interpreter lock all the
+while, and /health waits that long. Below a megabyte orjson is as fast or faster (RESULTS.md, 2026-12-01)."""
 
 
 MAX_JSON_OBJECTS = 32_768

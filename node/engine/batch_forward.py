@@ -57,8 +57,8 @@ no effect on one query); with any other value, or one it does not know, rows att
 NATIVE_SHARED_QUERIES = 32
 """Most queries per key/value head (a group's members times query heads per key/value head) whose attention over
 shared rows the native decode attention takes (`scripts/decode_attention_ab.py`, 1k rows, 8 layers). Groups of 16
-and 32 queries take all their scores in one pass over the keys (`decode_head_wide`): on a Zen 4 VM 3.7 to 3.9 ms
-at 16 and 5.8 to 5.9 ms at 32, against 7.7 to 8.4 and 10.7 to 11.3 with SDPA's flash kernel (BATCHING.md)."""
+and 32 queries take all their scores in one pass over the keys (`decode_head_wide`), which keeps them ahead of
+SDPA's flash kernel up to 32 (BATCHING.md; RESULTS.md, 2026-12-04)."""
 _HARMLESS = frozenset({"scaling", "position_ids", "cache_position", "output_attentions", "output_router_logits",
                        "use_cache", "is_causal"})
 
@@ -296,8 +296,8 @@ def _attend_each(step: RowsCache, queries: torch.Tensor, history: Sequence[tuple
                  scale: float, native: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's queries (`queries` `[R, heads, head_dim]`) over its own keys and values; returns the outputs
     `[R, heads, head_dim]` and each head's log-sum-exp `[R, heads]`. One native call for all rows where the
-    kernels run and `native` (`CpuKernels.decode_attention`, 1.5 times SDPA's speed on cold histories,
-    BATCHING.md), else SDPA's flash kernel row by row."""
+    kernels run and `native` (`CpuKernels.decode_attention`, which reads each key and value row once for up to
+    four queries, BATCHING.md), else SDPA's flash kernel row by row."""
     heads, head_dim = queries.shape[1:]
     if step.kernels is not None and native:
         rows = step.kernels.rows_at(history, head_dim)

@@ -5,7 +5,7 @@ a chat client appends a turn. They are computed from the template and the tokeni
 of the conversation is rendered to text, and a boundary is kept where a token starts exactly at that text
 offset (a boundary that falls inside a token is no place to resume).
 
-Rendering every prefix would be quadratic in the number of messages (2,000 short messages took 43 s), so
+Rendering every prefix would be quadratic in the number of messages (RESULTS.md, 2026-11-30), so
 the conversation is rendered and tokenized once, and prefixes only for the last `BOUNDARY_MESSAGES`
 messages of a conversation that fits the context: each such render is linear, so the whole is linear in
 the conversation (and bounded by the context for the prefix renders). Those are the boundaries a caller's

@@ -7,10 +7,8 @@ the same working cache, so stored spans and pooled buffers behave as with transf
 only reserves each layer's new rows in the working layers, which the kernels write in place, and a
 restored prefix that a layer holds by reference (`GrowableKVLayer.defer`) is attended where it is stored.
 A chunk runs as consecutive pieces of at most `PIECE_TOKENS`. Longer chunks used to stay on transformers'
-forward (oneDNN GEMMs and SDPA), but one A/B in one process on a Zen 5 VM (`scripts/prefill_ab.py`, default model,
-one thread, a 256-token chunk, medians in ms) has the pieces ahead at every history: 54.8 against 63.8 with no
-history, 58.5 against 74.9 after 256 tokens, 79.2 against 127.5 after 1,400 and 109.6 against 202.2 after 3,000.
-SDPA's attention over a history is what the pieces save.
+forward (oneDNN GEMMs and SDPA), but the pieces are ahead at every history length (`scripts/prefill_ab.py`;
+RESULTS.md, 2026-12-01): SDPA's attention over a history is what the pieces save.
 
 Only the last position's logits are wanted, so the last layer runs attention, output projection and MLP
 for that one row; earlier rows of the last layer feed nothing but their K/V, which it still writes. The
@@ -34,7 +32,7 @@ from node.engine.prediction import Prediction
 
 PIECE_TOKENS = 64
 """Most tokens one native call runs (its scratch's size); a longer chunk runs as consecutive pieces. Pieces of
-32 were no faster (54.8 and 82.9 against 54.8 and 79.2 ms for 256 tokens with no history and after 1,400)."""
+32 were no faster (RESULTS.md, 2026-12-01)."""
 HEAD_DIMS = (32, 64, 128)
 AGREEMENT = 1e-4
 """Largest |difference| from transformers' logits, relative to the largest |logit|: float32 sums in

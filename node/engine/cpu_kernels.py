@@ -114,9 +114,9 @@ MAX_CANDIDATES = 64
 LIBRARY_SCREEN_ROWS = 12
 """Rows of x from which `head_argmax` screens through the library's int8 product (`torch._int_mm`, codes of x
 and of the head's rows, VNNI dot products) instead of the hand-written screen (int8 codes of the head times
-float32 x). The A/B in BATCHING.md ("The head of a batched step"): on a Zen 4 VM, one thread, the default
-model's head cold, ms, hand-written against library: 8 rows 3.1 against 4.0, 12 rows 4.9 against 4.4, 16 rows
-6.3 against 5.0, 32 rows 12.8 against 6.8 (oneDNN's float32 head 12.5)."""
+float32 x). Below it the hand-written screen, which reads the head's codes once at memory speed, is ahead; from
+it the library's int8 arithmetic is (`scripts/head_ab.py`; BATCHING.md, "The head of a batched step"; RESULTS.md,
+2026-12-04)."""
 INT8_FLAGS = ("avx512_vnni", "amx_int8")
 """CPU features whose int8 dot products sum into 32 bits without saturating (one of them is needed)."""
 

@@ -1,16 +1,14 @@
 """Linear layers laid out for the CPU matrix kernel: weights stored transposed, `[in, out]`, contiguous.
 
 `nn.Linear` keeps `[out, in]` and multiplies by its transpose; on one CPU thread the few-token matmuls of
-a resumed prefill run about 1.5x faster against a contiguous `[in, out]` weight (measured: 32 x 512 x 1376,
-95 versus 152 GFLOP/s), which takes about 15% off the time to first token of a reused prompt. The swap
-replaces each layer's weight rather than copying it. Tied weights (an output head sharing the embedding) are
-left alone.
+a resumed prefill run faster against a contiguous `[in, out]` weight, whose rows the kernel streams in order
+(RESULTS.md, 2026-11-30). The swap replaces each layer's weight rather than copying it. Tied weights (an output
+head sharing the embedding) are left alone.
 
 Inputs of two rows or more (a batched decode step, a prefill chunk) run on a second copy of the weight that
-oneDNN packed at load, through torch's own `mkldnn._linear_pointwise`: measured on the default model, one
-thread, a decode step of 8 sequences at 1.2k tokens 57 -> 48 ms and a 256-token prefill chunk 213 -> 197 ms;
-for one row the transposed weight stays faster (5.8 against 7.5 ms for all of the model's linear layers). The
-copy doubles the memory of the linear layers (166 MB on the default model).
+oneDNN packed at load, through torch's own `mkldnn._linear_pointwise`, which is faster for a batched decode step
+and a prefill chunk; for one row the transposed weight stays faster (`scripts/batch_ab.py`; RESULTS.md,
+2026-12-01). The copy doubles the memory of the linear layers (166 MB on the default model).
 """
 
 from __future__ import annotations

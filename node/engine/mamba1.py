@@ -29,8 +29,8 @@ from transformers.models.jamba.modeling_jamba import JambaMambaMixer
 from transformers.models.mamba.modeling_mamba import MambaMixer
 
 SCAN_BLOCK_BYTES = 2 << 20
-"""Size of the per-block buffers of discretized terms (two of them): small enough to stay in cache, which
-measured 2 to 4x faster on CPU than whole-chunk buffers at 2048 channels, large enough to amortize the
+"""Size of the per-block buffers of discretized terms (two of them): small enough to stay in cache, where
+whole-chunk buffers at 2048 channels spill to memory (RESULTS.md, 2026-11-30), large enough to amortize the
 per-block ops. The block is at least one token."""
 
 

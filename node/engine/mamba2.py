@@ -38,11 +38,10 @@ from node.engine.mamba1 import SCAN_BLOCK_BYTES, causal_conv, mask_padding, patc
 SEQUENTIAL_SHARE: dict[str, float] = {"cpu": 0.5}
 """Per device type: a tail of at most this share of the mixer's `chunk_size` runs sequentially.
 
-Measured on CPU, one thread. One mixer of the 64 M granite-moe-hybrid model (16 heads of 64, state 64,
-chunk 256): sequential 1.2 / 6.7 / 25 ms for 5 / 40 / 128 tokens against upstream's 14 / 18 / 38 ms, even
-between 160 and 192 tokens. The scan alone at 128 heads of 64 and state 128: 17 / 128 ms for 16 / 128
-tokens against 208 / 176 ms, even near 165. Half a chunk keeps a margin to both. Devices not
-listed keep upstream: there a Python loop's per-token launches are unmeasured against the chunked kernels.
+On a CPU a short tail run sequentially costs its tokens, while upstream's chunked scan pads it to a whole chunk;
+the two broke even at about two thirds of a chunk, for a small mixer and for the scan alone at a wide one
+(RESULTS.md, 2026-11-30). Half a chunk keeps a margin to both. Devices not listed keep upstream: there a Python
+loop's per-token launches are unmeasured against the chunked kernels.
 """
 
 

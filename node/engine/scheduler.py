@@ -100,9 +100,9 @@ MAX_RUNNING = 32
 PREFILL_PER_RUNNING = 128
 """Prompt tokens a step may prefill per running request, when that exceeds `prefill_chunk`: with many requests
 running, their next turns' prompts are computed in a step or two and decode steps run full batches again, which
-is what a step's fixed costs (its shared rows, its per-layer overhead) are spread over. `tenzro bench load`, 32
-clients, 45 s, one thread, side by side: 227.6 output tokens/s at 128, 209.5 at 64, 193.6 with one chunk per
-step; TTFT p99 at 8 clients 554, 818 and 659 ms (BATCHING.md, "The step's prefill budget")."""
+is what a step's fixed costs (its shared rows, its per-layer overhead) are spread over. Of the budgets weighed,
+128 gave the most throughput at 32 clients and kept the time to first token at 8 clients well under a second
+(BATCHING.md, "The step's prefill budget"; RESULTS.md, 2026-12-01)."""
 
 
 class Scheduler:
