@@ -4,10 +4,10 @@ Model calls run off the event loop, in one worker thread per model, so the HTTP 
 while prompts are prefilled. Callers take turns: each has its own FIFO, and requests are admitted from the
 callers round-robin, so one caller's burst cannot starve another's single request. Up to `max_running`
 admitted requests run at once, each in its own lane of working memory, and the worker advances them in
-steps: each step runs prefill chunks of about `prefill_chunk` tokens in all, or `PREFILL_PER_RUNNING` per
-running request where that is more (the prefilling requests take turns, a chunk each, so a long prompt delays a
-short one by at most one step's chunks) and one decode step of every
-request that is decoding, batched into one forward where the model allows it (`Runner.decode`). A request whose
+steps: each step runs prefill chunks within its token budget (what the decoding rows leave of `STEP_TOKENS` while
+any request decodes, else `PREFILL_PER_RUNNING` per running request; the prefilling requests take turns, a chunk
+each, so a long prompt delays a short one by at most one step's chunks) and one decode step of every request that
+is decoding, batched into one forward where the model allows it (`Runner.decode`). A request whose
 prompt a running request of its caller is computing copies that request's rows instead, and waits for them
 (`Runner.follow`). Finished requests leave between steps, and waiting ones take their lanes.
 """
@@ -98,11 +98,19 @@ TICK_S = 1.0
 MAX_RUNNING = 32
 """Requests that run at once by default: the lanes of working memory (see BATCHING.md for their size)."""
 PREFILL_PER_RUNNING = 128
-"""Prompt tokens a step may prefill per running request, when that exceeds `prefill_chunk`: with many requests
-running, their next turns' prompts are computed in a step or two and decode steps run full batches again, which
-is what a step's fixed costs (its shared rows, its per-layer overhead) are spread over. Of the budgets weighed,
-128 gave the most throughput at 32 clients and kept the time to first token at 8 clients well under a second
-(BATCHING.md, "The step's prefill budget"; RESULTS.md, 2026-12-01)."""
+"""Prompt tokens a step may prefill per running request, when that exceeds `prefill_chunk` and no request is
+decoding: a wave of prompts with nobody waiting for a next token is computed in a step or two, and decode steps
+then run full batches, which is what a step's fixed costs (its shared rows, its per-layer overhead) are spread over
+(BATCHING.md, "The step's token budget")."""
+STEP_TOKENS = 192
+"""Tokens a step computes while requests are decoding: each decoding row counts one and prefill chunks fill the
+rest, at least one chunk so that prompts always advance (vLLM's chunked prefill budgets a step the same way). A
+decoding request's next token then waits for at most this much prefill, not for a whole wave of next-turn prompts
+(BATCHING.md, "The step's token budget")."""
+ADMIT_WHILE_DECODING = 4
+"""Requests admitted in one turn while others decode: admitting one restores its prefix into its lane (a copy of
+its rows), and a wave admitted at once holds every decoding request's next token; the budget above would hold
+their prompts back in any case."""
 
 
 class Scheduler:
@@ -213,7 +221,10 @@ class Scheduler:
             chores = list(self._chores)
             self._chores.clear()
             jobs: list[Job] = []
-            while self._queues and len(self._running) + len(jobs) < self.max_running:
+            admit = self.max_running - len(self._running)
+            if any(not seq.prefilling and not seq.done for _, seq in self._running):
+                admit = min(admit, ADMIT_WHILE_DECODING)
+            while self._queues and len(jobs) < admit:
                 caller, queue = next(iter(self._queues.items()))
                 job = queue.popleft()
                 # Round-robin: the caller goes to the back of the rotation, or leaves it when drained.
@@ -282,8 +293,12 @@ class Scheduler:
                         following.add(seq)
                 except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                     self._drop([(job, seq)], exc)
-        # Prefill chunks, the prefilling requests taking turns, until the step has run about its budget.
-        spent, budget = 0, max(self.runner.prefill_chunk, PREFILL_PER_RUNNING * len(self._running))
+        # Prefill chunks, the prefilling requests taking turns, until the step has run about its budget: what the
+        # decoding rows leave of STEP_TOKENS while any decode, else a wave's worth.
+        waiting_for_tokens = sum(1 for _, seq in self._running if not seq.prefilling and not seq.done)
+        budget = (STEP_TOKENS - waiting_for_tokens if waiting_for_tokens
+                  else max(self.runner.prefill_chunk, PREFILL_PER_RUNNING * len(self._running)))
+        spent = 0
         while prefilling := [(job, seq) for job, seq in self._running
                              if seq.prefilling and not seq.done and seq not in following]:
             job, seq = prefilling[self._turn % len(prefilling)]

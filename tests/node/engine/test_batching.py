@@ -21,11 +21,12 @@ from transformers import DynamicCache
 from cache.adapters import RecurrentPiece
 from cache.arena import Scope
 from cache.working_cache import GrowableKVLayer
+from node.engine import scheduler as scheduler_module
 from node.engine.batch_forward import BatchedDecode, Shared, batch_blocker, batchable, equal_rows
 from node.engine.cpu_decoder import SCREENED_ROWS, RowPrediction
 from node.engine.cpu_kernels import load_kernels, native_switched_off
 from node.engine.loader import LoadedModel, load_model
-from node.engine.runner import GenerationRequest, GenerationResult, Runner
+from node.engine.runner import GenerationRequest, GenerationResult, Runner, Running
 from node.engine.sampling import SamplingParams
 from node.engine.scheduler import Failed, Finished, Job, Scheduler
 from node.engine.synthetic import init_model
@@ -142,9 +143,10 @@ async def test_a_step_prefills_128_tokens_per_running_request(small_model_dir: P
 
 
 @asynccontextmanager
-async def started(runner: Runner, prompt: list[int], max_tokens: int) -> AsyncIterator[tuple[Scheduler, Job]]:
+async def started(runner: Runner, prompt: list[int], max_tokens: int, max_queue: int = 4
+                  ) -> AsyncIterator[tuple[Scheduler, Job]]:
     """A scheduler on `runner` and alice's request of `prompt`, once it is admitted (its prefill has begun)."""
-    scheduler = Scheduler(runner, max_queue=4)
+    scheduler = Scheduler(runner, max_queue=max_queue)
     scheduler.start()
     try:
         job = scheduler.submit("alice", GenerationRequest(Scope("alice", "small"), prompt,
@@ -168,6 +170,50 @@ async def test_a_short_request_is_not_held_back_by_a_long_prefill(small_model_di
 
         await asyncio.gather(note(long), note(short))
         assert finished == [20, 1500]  # bob's reply came while alice's 47 chunks were still being computed
+
+
+async def test_a_decoding_request_waits_for_at_most_the_steps_token_budget(
+        small_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While any request decodes, a step prefills what its decoding rows leave of STEP_TOKENS (at least one
+    chunk) and admits at most ADMIT_WHILE_DECODING requests; with nobody decoding, a wave's worth."""
+    monkeypatch.setattr(scheduler_module, "STEP_TOKENS", 40)
+    loaded = load_model("small", small_model_dir)
+    runner = reuse_runner(loaded, prefill_chunk=32)
+    steps: list[tuple[int, int, int]] = []  # (admitted, prompt tokens prefilled, rows decoded) of each decode step
+    pending = {"admitted": 0, "prefilled": 0}
+    start, prefill, decode = runner.start, runner.prefill, runner.decode
+
+    def counted_start(*args, **kwargs):  # type: ignore[no-untyped-def]
+        pending["admitted"] += 1
+        return start(*args, **kwargs)
+
+    def counted_prefill(seq: Running) -> None:
+        pending["prefilled"] += seq.next_chunk
+        prefill(seq)
+
+    def counted_decode(seqs: list[Running]) -> None:
+        steps.append((pending["admitted"], pending["prefilled"], len(seqs)))
+        pending.update(admitted=0, prefilled=0)
+        decode(seqs)
+
+    monkeypatch.setattr(runner, "start", counted_start)
+    monkeypatch.setattr(runner, "prefill", counted_prefill)
+    monkeypatch.setattr(runner, "decode", counted_decode)
+    async with started(runner, tokens(1, 40), 120, max_queue=8) as (scheduler, alice):
+        while not steps:
+            await asyncio.sleep(0.001)
+        others = [scheduler.submit(name, GenerationRequest(Scope(name, "small"), tokens(seed, 100),
+                                                           SamplingParams(max_tokens=1)))
+                  for seed, name in enumerate(("bob", "carol", "dave", "erin", "frank", "grace"), start=2)]
+        results = [await outcome(job) for job in (*others, alice)]
+    assert [result.prompt_tokens for result in results] == [100] * 6 + [40]
+    assert steps[0] == (1, 40, 1)  # nobody decoding yet: alice's whole prompt, two chunks, in one step
+    while_decoding = [step for step in steps[1:] if step[0] or step[1]]
+    # Alice alone decodes: 39 tokens of prefill a step, whole chunks (32, or the short ones before a prompt's end).
+    assert while_decoding and all(admitted <= 4 and prefilled <= 39 for admitted, prefilled, _ in while_decoding)
+    assert sum(prefilled for _, prefilled, _ in while_decoding) == 600 and len(while_decoding) >= 600 // 39
+    assert max(admitted for admitted, _, _ in while_decoding) == 4  # six arrived at once: four, then two
+    assert sum(admitted for admitted, _, _ in while_decoding) == 6
 
 
 async def test_cancelling_a_request_while_its_prompt_prefills_stops_it(small_model_dir: Path) -> None:
