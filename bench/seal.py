@@ -92,8 +92,8 @@ def cipher_rates(total_mib: int, runs: int, passes: int = 1) -> list[CipherRow]:
     "memcpy in cache"), and nothing is sealed."""
     import torch
 
-    from cache.arena import BLOCK_TOKENS
     from cache.scope import Scope
+    from cache.sealed_payload import BLOCK_TOKENS
     from cache.sealing import TAG_BYTES, Place, Sealer
 
     heads, head_dim = 8, 64

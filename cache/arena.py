@@ -10,38 +10,40 @@ replaces. A sealed span opens straight into the working cache's buffers (no plai
 messages of at most `BLOCK_TOKENS` tokens of one head, opened in parallel threads, for the runner while its
 first chunk computes (`restore(later=True)`, `cache/opening.py`); opening leaves the entry sealed.
 Everything freed or shredded is zeroed first, so no stored state outlives its entry in memory.
+
+This module keeps the entries: their scope and tokens, which tier each part is in, the bytes of each caller,
+and when to seal. How a payload's bytes are cut into messages, sealed and opened is `cache/sealed_payload.py`.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from cache.adapters import KVPiece, ModelStateAdapter, RecurrentPiece, Snapshot, SpanState, state_bytes
-from cache.blob_memory import Blob, BlobMemory
+from cache.adapters import ModelStateAdapter, Snapshot, SpanState, state_bytes
+from cache.blob_memory import BlobMemory
 from cache.budget import CacheBudget
 from cache.opening import Opening, SealedEntryError
 from cache.prefix_cache import ColdPass, PrefixCache
 from cache.scope import Scope, SpanHandle
-from cache.sealing import TAG_BYTES, Place, Sealer, SealError
-from cache.working_cache import GrowableKVLayer
+from cache.sealed_payload import (
+    SealedPayload,
+    map_payload,
+    open_payload,
+    open_span,
+    payload_tensors,
+    seal_payload,
+    zero_payload,
+)
+from cache.sealing import Place, Sealer, SealError
 
-__all__ = ["BLOCK_TOKENS", "Scope", "SealCost", "SealedEntryError", "SpanHandle", "StateArena", "new_prefix_cache"]
+__all__ = ["Scope", "SealCost", "SealedEntryError", "SpanHandle", "StateArena", "new_prefix_cache"]
 
-Payload = SpanState | Snapshot
-BLOCK_TOKENS = 4096
-"""Tokens of one head in one sealed message: 1 MiB at head dim 64 in float32. Fewer, larger messages cost less
-Python before the first byte is opened, at the same opening rate (RESULTS.md, 2026-11-30)."""
-SEAL_BATCH_BYTES = 8 * 1024 * 1024
-"""Plaintext sealed between two looks for a waiting request (whole messages, at least one): a few milliseconds
-on all cores. Counted in bytes, not messages: a span of a few hundred tokens has a hundred messages of tens of
-KiB, and eight of them a call spent more time handing work to the sealing threads than sealing."""
 DEFER_BYTES = 32 * 1024 * 1024
 """Plaintext over the hot tier that may wait for the next pass while requests queue (1k tokens of the default
 model); beyond it a waiting request waits for the seal."""
@@ -72,87 +74,10 @@ class SealCost:
         return self.worth_sealing(self.sample_bytes, self.sample_tokens)
 
 
-def _place(copies: list[tuple[torch.Tensor, torch.Tensor, int, int]], start: int, take: int) -> None:
-    """Copy rows `[start, take)` of blocks opened into scratch (scratch, its head's rows, block's first and end
-    row) into place, and zero the scratch."""
-    for scratch, row_target, first, end in copies:
-        low, high = max(first, start), min(end, take)
-        row_target[low - start:high - start].copy_(scratch[low - first:high - first])
-        scratch.zero_()
-
-
-def _map(payload: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """The same structure with every tensor replaced by `fn(tensor)`, in a fixed walk order."""
-    if payload is None:
-        return None
-    if isinstance(payload, KVPiece):
-        return KVPiece(fn(payload.keys), fn(payload.values))
-    if isinstance(payload, RecurrentPiece):
-        return RecurrentPiece(tuple(None if t is None else fn(t) for t in payload.conv),
-                              tuple(None if t is None else fn(t) for t in payload.recurrent))
-    return tuple(_map(part, fn) for part in payload)
-
-
-def _tensors(payload: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    _map(payload, lambda t: found.append(t) or t)  # type: ignore[func-returns-value]
-    return found
-
-
-def _blocks(tensor: torch.Tensor) -> Iterator[tuple[int, int, int]]:
-    """The messages one tensor is sealed as: (head, first token, end token) for K/V `[1, heads, n, dim]`, else
-    one per index of dim 1 (the whole tensor when it has fewer dims), as (index, 0, 0)."""
-    if tensor.dim() == 4 and tensor.shape[0] == 1:
-        for head in range(tensor.shape[1]):
-            for start in range(0, tensor.shape[2], BLOCK_TOKENS):
-                yield head, start, min(start + BLOCK_TOKENS, tensor.shape[2])
-    elif tensor.dim() >= 2 and tensor.shape[0] == 1:
-        for index in range(tensor.shape[1]):
-            yield index, 0, 0
-    else:
-        yield -1, 0, 0
-
-
-def _batches(sizes: list[int], limit: int) -> Iterator[tuple[int, int]]:
-    """Consecutive `[first, last)` runs of messages of at most `limit` bytes in all, or one message."""
-    first, total = 0, 0
-    for index, size in enumerate(sizes):
-        if index > first and total + size > limit:
-            yield first, index
-            first, total = index, 0
-        total += size
-    if first < len(sizes):
-        yield first, len(sizes)
-
-
-def _part(tensor: torch.Tensor, block: tuple[int, int, int]) -> torch.Tensor:
-    index, start, end = block
-    if index < 0:
-        return tensor.reshape(-1)
-    if tensor.dim() == 4:
-        return tensor[0, index, start:end]
-    return tensor[0, index]
-
-
-def _bytes(tensor: torch.Tensor) -> Any:
-    """A writable byte buffer over `tensor`'s memory (no copy); `tensor` must be contiguous."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
-
-
-@dataclass(slots=True)
-class _Sealed:
-    blob: Blob
-    nonces: list[bytes]
-    skeleton: Any
-    """The payload's structure with meta tensors: shapes and dtypes, no data."""
-    offsets: list[int]
-    """Where each message starts in the blob, and its end: one more than the messages."""
-
-
 @dataclass(slots=True)
 class _Part:
     plain: Any
-    sealed: _Sealed | None
+    sealed: SealedPayload | None
     nbytes: int
     origin: Place | None = None
     """Where the part was sealed: the associated data its messages open with. Kept by the arena beside the
@@ -190,19 +115,12 @@ class _Entry:
 
 
 @torch.inference_mode()
-def _zero(payload: Any) -> None:
-    """Overwrite with zeros (in inference mode: the engine's tensors are inference tensors)."""
-    for tensor in _tensors(payload):
-        tensor.zero_()
-
-
-@torch.inference_mode()
 def _shred(part: _Part | None) -> None:
     """Zero a part's memory, plaintext or sealed, before it is let go."""
     if part is None:
         return
     if part.plain is not None and not part.borrowed:
-        _zero(part.plain)
+        zero_payload(part.plain)
     if part.sealed is not None:
         part.sealed.blob.users -= 1
         if not part.sealed.blob.users:
@@ -364,19 +282,15 @@ class StateArena:
         if part.plain is not None:
             return part.plain
         assert part.sealed is not None and part.origin is not None and self.sealer is not None
-        sealed = part.sealed
-        opened = _map(sealed.skeleton, lambda t: torch.empty(t.shape, dtype=t.dtype))
-        outs = [_bytes(_part(t, b)) for t in _tensors(opened) for b in _blocks(t)]
         try:
-            self.sealer.run_open(self.sealer.open_jobs(entry.scope, part.origin, sealed.nonces, sealed.blob.data, outs))
+            opened = open_payload(self.sealer, entry.scope, part.origin, part.sealed)
         except SealError:
             self.open_failures += 1
-            _zero(opened)
             raise SealedEntryError([handle]) from None
-        self.scratch.extend(_tensors(opened))
+        self.scratch.extend(payload_tensors(opened))
         lo, hi = part.window
-        if kind == "span" and (lo, hi) != (0, _tensors(opened)[0].shape[2]):
-            return _map(opened, lambda t: t[:, :, lo:hi])
+        if kind == "span" and (lo, hi) != (0, payload_tensors(opened)[0].shape[2]):
+            return map_payload(opened, lambda t: t[:, :, lo:hi])
         return opened
 
     # -- restoring into a working cache ------------------------------------------------------------------
@@ -421,64 +335,16 @@ class StateArena:
 
     def _open_span(self, adapter: ModelStateAdapter, cache: Any, handle: SpanHandle, entry: _Entry, start: int,
                    take: int, opening: Opening | None = None, last: bool = True) -> None:
-        """Open tokens `[start, take)` of a sealed span into the working cache: whole blocks straight into the
-        layers' buffers, a block cut by `start` or `take` through a scratch block. With `opening`, the messages
-        of pooled layers are handed to the sealing threads in layer order and left opening there, once all are
-        built: threads woken while the rest are still being built take the interpreter lock from it back and forth."""
-        assert entry.span.sealed is not None and entry.span.origin is not None and self.sealer is not None
-        sealed = entry.span.sealed
-        lo = entry.span.window[0]
-        start, take = lo + start, lo + take  # rows of the sealed tensors (a split span is a window on them)
-        offsets = sealed.offsets
-        outs, copies, index = [], [], 0
-        later: list[tuple[int, list[tuple[Any, ...]], Callable[[], None]]] = []
-        pieces = iter(_tensors(sealed.skeleton))
-        blob = memoryview(sealed.blob.data)
-        # A block that `take` cuts opens in place past it, over rows the next span or the new tokens write. The
-        # new tokens' writes wait for it (`GrowableKVLayer.opening`); a next span's would not: a cut span that is
-        # not the last opens now.
-        if not last and any(first < take < end for tensor in _tensors(sealed.skeleton)[:1]
-                            for _, first, end in _blocks(tensor)):
-            opening = None
-        for layer_index, piece in enumerate(sealed.skeleton):
-            if piece is None:
-                continue
-            keys, values = next(pieces), next(pieces)
-            # Rows past `take` in the buffers are free (the new tokens or the next span write there): a block
-            # that `take` cuts opens in place when it fits, else through a scratch block.
-            *rows, cache_row = adapter.span_rows(cache, layer_index, keys, values, take - start, spare=BLOCK_TOKENS)
-            for meta, target in ((keys, rows[0]), (values, rows[1])):
-                # One byte view of the layer's rows, `[heads, rows, head_dim * itemsize]`: a message's target is
-                # a slice of it (a head's rows are contiguous), far cheaper than a tensor view per message.
-                target_bytes = target[0].view(torch.uint8).numpy()
-                for head, first, end in _blocks(meta):
-                    if end > start and first < take:
-                        if first >= start and end - start <= target.shape[2]:
-                            out = target_bytes[head, first - start:end - start]
-                            self.written = max(self.written, cache_row + end - start)
-                        else:
-                            scratch = torch.empty((end - first, meta.shape[-1]), dtype=meta.dtype)
-                            copies.append((scratch, target[0, head], first, end))
-                            out = _bytes(scratch)
-                        outs.append((index, sealed.nonces[index], blob[offsets[index]:offsets[index + 1]], out))
-                    index += 1
-            if opening is not None and isinstance(cache.layers[layer_index], GrowableKVLayer):
-                later.append((layer_index, self.sealer.open_jobs_at(entry.scope, entry.span.origin, outs),
-                              functools.partial(_place, copies, start, take)))
-                cache.layers[layer_index].opening = functools.partial(opening.wait, layer_index)
-                outs, copies = [], []
-        for layer_index, layer_jobs, after in later:
-            assert opening is not None
-            opening.add(layer_index, handle, self.sealer.open_later(layer_jobs), after)
-        jobs = self.sealer.open_jobs_at(entry.scope, entry.span.origin, outs)
-        try:
-            self.sealer.run_open(jobs)
-        except SealError:
-            self.open_failures += 1
-            raise SealedEntryError([handle]) from None
-        finally:
-            _place(copies, start, take)
-        adapter.finish_rows(cache, take - start)
+        """Open tokens `[start, take)` of a sealed span into the working cache (`open_span`); the rows it opens in
+        place count in `written`."""
+        span = entry.span
+        assert span.sealed is not None and span.origin is not None and self.sealer is not None
+        lo = span.window[0]  # a split span is a window on the sealed tensors' rows
+        open_span(self.sealer, span.sealed, entry.scope, span.origin, adapter, cache, (lo + start, lo + take),
+                  handle=handle, opening=opening, last=last, wrote=self._wrote, failed=self._count_failure)
+
+    def _wrote(self, row: int) -> None:
+        self.written = max(self.written, row)
 
     # -- tiers --------------------------------------------------------------------------------------------
 
@@ -526,31 +392,17 @@ class StateArena:
 
     @torch.inference_mode()
     def _seal(self, handle: SpanHandle, entry: _Entry, kind: str, part: _Part, stop: Callable[[], bool]) -> bool:
-        """Seal one part in batches of messages; False (nothing changed) when `stop()` interrupts it."""
+        """Seal one part (`seal_payload`); False (nothing changed) when `stop()` interrupts it."""
         assert self.sealer is not None
-        tensors = _tensors(part.plain)
-        # One head's rows are contiguous also in a view of the working buffers: sealed where they lie.
-        messages = [_bytes(m if m.is_contiguous() else m.contiguous())
-                    for t in tensors for m in (_part(t, b) for b in _blocks(t))]
-        blob = self.memory.blob(sum(m.nbytes for m in messages) + TAG_BYTES * len(messages))
-        nonces: list[bytes] = []
         place = Place(handle, entry.start, entry.end, kind)
-        offset = 0
-        for first, last in _batches([m.nbytes for m in messages], SEAL_BATCH_BYTES):
-            if first and stop():
-                blob.wipe()
-                return False  # the nonces it took are never used again
-            batch = messages[first:last]
-            end = offset + sum(m.nbytes + TAG_BYTES for m in batch)
-            nonces += self.sealer.seal(entry.scope, place, batch, memoryview(blob.data)[offset:end], first=first)
-            offset = end
-        skeleton = _map(part.plain, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
+        sealed = seal_payload(self.sealer, self.memory, entry.scope, place, part.plain, stop)
+        if sealed is None:
+            return False
         self._add(part, -1)
         if not part.borrowed:  # the working buffers are the hot working cache: the engine wipes them
-            _zero(part.plain)
+            zero_payload(part.plain)
         rows = entry.end - entry.start if kind == "span" else 0
-        offsets = list(itertools.accumulate([0] + [m.nbytes + TAG_BYTES for m in messages]))
-        part.plain, part.sealed, part.borrowed = None, _Sealed(blob, nonces, skeleton, offsets), False
+        part.plain, part.sealed, part.borrowed = None, sealed, False
         part.origin, part.window = place, (0, rows)
         self._add(part, 1)
         return True

@@ -22,6 +22,7 @@ import torch
 from node.config import tenzro_home
 from node.engine import cpu_kernels
 from node.engine.cpu_kernels import load_kernels
+from node.engine.kernel_operands import PackedHead
 from node.engine.loader import DEFAULT_MODEL, load_model, resolve_model_dir
 
 
@@ -59,7 +60,7 @@ def main() -> None:
         print(f"{count:>4}  {times[0]:>12.2f}  {times[1]:>8.2f}  {times[2]:>7.2f}  {agree}")
 
 
-def measure(kernels: cpu_kernels.CpuKernels, head: cpu_kernels.PackedHead, weight: torch.Tensor, x: torch.Tensor,
+def measure(kernels: cpu_kernels.CpuKernels, head: PackedHead, weight: torch.Tensor, x: torch.Tensor,
             runs: int, flush: torch.Tensor) -> tuple[list[float], bool]:
     """Median ms of the three for the rows `x`, and whether both screens agree with oneDNN's argmax."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=x.shape[0])

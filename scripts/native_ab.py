@@ -53,8 +53,9 @@ import transformers
 from transformers import AutoModelForCausalLM
 from transformers.models.llama import modeling_llama
 
-from node.engine.cpu_kernels import CpuKernels, PackedWeight, load_kernels
+from node.engine.cpu_kernels import CpuKernels, load_kernels
 from node.engine.cpu_layout import PACK_ROWS_HINT
+from node.engine.kernel_operands import PackedWeight
 from node.engine.synthetic import FAMILIES, SEED, SIZES
 
 RUNS, QUICK_RUNS = 41, 5

@@ -47,7 +47,8 @@ from transformers.cache_utils import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from cache.working_cache import GrowableKVLayer
-from node.engine.cpu_kernels import CpuKernels, RowsAt, decode_work_floats
+from node.engine.cpu_kernels import CpuKernels
+from node.engine.kernel_operands import RowsAt, decode_work_floats
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 """SDPA's CPU flash kernel, which also returns each query's log-sum-exp (what merging two parts needs)."""

@@ -27,7 +27,8 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
 from cache.working_cache import GrowableKVLayer
-from node.engine.cpu_kernels import CpuKernels, LayerWeights, NativeDecoder, PackedHead
+from node.engine.cpu_kernels import CpuKernels
+from node.engine.kernel_operands import LayerWeights, NativeDecoder, PackedHead
 from node.engine.prediction import Prediction
 
 PIECE_TOKENS = 64

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cache import arena as arena_module
+from cache import sealed_payload
 from cache.arena import SealCost, SealedEntryError, StateArena
 from cache.prefix_cache import PrefixCache
 from cache.scope import Scope
@@ -95,12 +95,12 @@ def arena_of(cache: PrefixCache) -> StateArena:
 @pytest.mark.parametrize("block", [1024, 3])
 def test_sealed_spans_restore_the_same_state_and_their_plaintext_is_zeroed(monkeypatch: pytest.MonkeyPatch,
                                                                             block: int) -> None:
-    monkeypatch.setattr(arena_module, "BLOCK_TOKENS", block)  # 3: blocks cut by every take and skip
+    monkeypatch.setattr(sealed_payload, "BLOCK_TOKENS", block)  # 3: blocks cut by every take and skip
     cache = sealed_cache()
     arena = arena_of(cache)
     cache.store(ALICE, list(range(10)), state_of(list(range(10))))
     cache.store(ALICE, list(range(5)) + [50, 51, 52], state_of(list(range(5)) + [50, 51, 52]))
-    held = [t for entry in arena._entries.values() for t in arena_module._tensors(entry.span.plain)]
+    held = [t for entry in arena._entries.values() for t in sealed_payload.payload_tensors(entry.span.plain)]
     assert arena.hot_bytes == 13 * BYTES_PER_TOKEN
     assert cache.seal_cold().sealed_bytes == 13 * BYTES_PER_TOKEN
     assert arena.hot_bytes == 0 and arena.sealed_bytes == arena.bytes_total == 13 * BYTES_PER_TOKEN
@@ -115,7 +115,7 @@ def test_sealed_spans_restore_the_same_state_and_their_plaintext_is_zeroed(monke
 
 @pytest.mark.parametrize("block", [1024, 3])
 def test_a_sealed_span_splits_into_windows_on_its_ciphertext(monkeypatch: pytest.MonkeyPatch, block: int) -> None:
-    monkeypatch.setattr(arena_module, "BLOCK_TOKENS", block)
+    monkeypatch.setattr(sealed_payload, "BLOCK_TOKENS", block)
     cache = sealed_cache()
     arena = arena_of(cache)
     cache.store(ALICE, list(range(10)), state_of(list(range(10))))
@@ -191,7 +191,7 @@ def test_dropping_a_scope_zeroes_its_buffers_and_destroys_its_key() -> None:
     cache.seal_cold()
     blobs = [e.span.sealed.blob.data for e in arena._entries.values() if e.span.sealed is not None]
     plain = [t for e in arena._entries.values() if e.span.plain is not None
-             for t in arena_module._tensors(e.span.plain)]
+             for t in sealed_payload.payload_tensors(e.span.plain)]
     assert blobs and plain and all(any(b) for b in blobs) and all(t.any() for t in plain)
     assert arena.sealer is not None and arena.sealer.has_key(ALICE)
     cache.drop_caller("alice")
@@ -210,7 +210,7 @@ def test_time_to_live_expires_unused_scopes() -> None:
 
 def test_a_waiting_request_interrupts_a_seal_which_leaves_the_plaintext_intact(monkeypatch: pytest.MonkeyPatch
                                                                                ) -> None:
-    monkeypatch.setattr(arena_module, "SEAL_BATCH_BYTES", 1)
+    monkeypatch.setattr(sealed_payload, "SEAL_BATCH_BYTES", 1)
     cache = sealed_cache()
     arena = arena_of(cache)
     cache.store(ALICE, list(range(10)), state_of(list(range(10))))
@@ -230,7 +230,7 @@ def test_state_that_opens_slower_than_it_computes_is_dropped_not_sealed(recomput
     arena.register_model("m", arena._adapters["m"], SealCost(1e-9, recompute_s_per_token, 1, 1))
     cache.store(ALICE, list(range(10)), state_of(list(range(10))))
     cache.store(ALICE, list(range(5)) + [50, 51, 52], state_of(list(range(5)) + [50, 51, 52]))
-    held = [t for entry in arena._entries.values() for t in arena_module._tensors(entry.span.plain)]
+    held = [t for entry in arena._entries.values() for t in sealed_payload.payload_tensors(entry.span.plain)]
     cold = cache.seal_cold()
     if recompute_s_per_token == 1.0:  # opening 1 GiB/s-ish against a second a token: kept, sealed
         assert (cold.sealed_bytes, cold.unkept, arena.sealed_bytes) == (13 * BYTES_PER_TOKEN, (), 13 * BYTES_PER_TOKEN)
@@ -255,7 +255,7 @@ def test_an_entry_of_many_small_messages_seals_in_calls_of_about_seal_batch_byte
     assert cache.seal_cold().sealed_bytes == 10 * BYTES_PER_TOKEN
     assert calls == [8]
     message = 10 * BYTES_PER_TOKEN // 8
-    monkeypatch.setattr(arena_module, "SEAL_BATCH_BYTES", 3 * message)
+    monkeypatch.setattr(sealed_payload, "SEAL_BATCH_BYTES", 3 * message)
     cache.store(BOB, list(range(10)), state_of(list(range(10))))
     calls.clear()
     assert cache.seal_cold().sealed_bytes == 10 * BYTES_PER_TOKEN

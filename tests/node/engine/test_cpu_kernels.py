@@ -11,14 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from node.engine import cpu_kernels
-from node.engine.cpu_kernels import (
-    LIBRARY_SCREEN_ROWS,
-    CpuKernels,
-    PackedHead,
-    RowsAt,
-    decode_work_floats,
-    load_kernels,
-)
+from node.engine.cpu_kernels import LIBRARY_SCREEN_ROWS, CpuKernels, load_kernels
+from node.engine.kernel_operands import PackedHead, RowsAt, decode_work_floats
 
 TOLERANCE = 1e-5
 """Float32 sums taken in another order: relative to the largest |value| of the reference."""
