@@ -219,7 +219,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _reserve_line(service: ModelService) -> str:
-    sealing = service.runner.sealing_state()
+    sealing = service.sealing_state()
     if not sealing["on"]:
         return ""
     return f"Sealed state: {sealing['reserve_bytes'] / 2**20:.0f} MiB of memory reserved (cache.reserve_bytes)\n"

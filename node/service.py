@@ -1,5 +1,8 @@
 """One served model: its loaded weights, runner and scheduler, and turning API requests into jobs.
 
+The HTTP layer asks the service, never the runner's or the reuse manager's internals: what the node says of its
+engine and sealing, its stored state's sizes and a router's warm prefixes, and a removed caller's state dropped.
+
 Rendering and tokenizing grow with a request's size, so the HTTP layer runs them off the event loop; before
 either, a prompt whose text alone cannot fit the context is refused: no token of this tokenizer stands for
 more than `LoadedModel.max_token_bytes` bytes, so B bytes of text are at least B / max_token_bytes tokens.
@@ -12,9 +15,12 @@ runner remembers them with the stored state for the router's summaries. Other ca
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
-from cache.arena import Scope
+from cache.arena import Scope, StateArena
 from cache.prefix_cache import PrefixCache
 from cache.snapshot_policy import SnapshotPolicy
 from cache.summary import ChatForms, completion_prefix_form
@@ -71,6 +77,40 @@ class ModelService:
         return self.loaded.model_id
 
     @property
+    def reuse_enabled(self) -> bool:
+        return self.runner.reuse.enabled
+
+    @property
+    def arena(self) -> StateArena | None:
+        """The stored state's tiers, whose sizes `/metrics` reads (None with reuse off)."""
+        return self.runner.reuse.arena
+
+    def engine_config(self) -> dict[str, Any]:
+        """`GET /v1/node`'s engine section: fixed at start, so that it says nothing of other callers' traffic."""
+        return {**self.runner.engine_config(), "max_queue": self.scheduler.max_queue,
+                "max_running": self.scheduler.max_running}
+
+    def engine_state(self) -> dict[str, Any]:
+        """`GET /v1/node/state`'s engine section, for operators: with how decode steps ran and the queue now."""
+        return {**self.runner.engine_state(), **self.scheduler.describe()}
+
+    def sealing_config(self) -> dict[str, Any]:
+        return self.runner.reuse.sealing_config()
+
+    def sealing_state(self) -> dict[str, Any]:
+        return self.runner.reuse.sealing_state()
+
+    def warm_forms(self, select: Callable[[Scope], bool]) -> Future[list[tuple[Scope, bytes]]]:
+        """`ReuseManager.warm_forms` of the scopes `select` takes, read on the worker thread, which owns the prefix
+        index."""
+        return self.scheduler.ask(lambda: self.runner.reuse.warm_forms(select))
+
+    def drop_caller(self, caller: str) -> None:
+        """A caller removed from the config loses its state and keys (a router's callers theirs too), on the
+        worker thread, which owns them, before its next step."""
+        self.scheduler.chore(lambda: self.runner.drop_caller(caller))
+
+    @property
     def vocab_size(self) -> int:
         return int(self.loaded.model.config.get_text_config(decoder=True).vocab_size)
 
@@ -90,7 +130,7 @@ class ModelService:
         plain = [{"role": m.role, "content": m.content} for m in messages]
         replies = None
         if caller is not None:
-            replies = functools.partial(self.runner.replies.recall, Scope(caller=caller, model=self.model_id))
+            replies = functools.partial(self.runner.reuse.replies.recall, Scope(caller=caller, model=self.model_id))
         try:
             rendered = render_chat(self.loaded.tokenizer, plain, fits=self.loaded.context_length - 1,
                                    replies=replies)

@@ -47,13 +47,13 @@ def create_app(config: NodeConfig, config_path: Path, service: ModelService, met
     app = web.Application(client_max_size=config.limits.max_body_bytes,
                           middlewares=[error_middleware, coding_middleware, auth_middleware])
     app[CONFIG] = config
-    scheduler, runner = service.scheduler, service.runner
+    scheduler = service.scheduler
     app[SUMMARIES] = SummaryFilters()
 
     def removed(name: str) -> None:
         # A caller removed from the config loses its state and keys on the worker thread, which owns them; a
         # router, its callers' too, and its summary filters.
-        scheduler.chore(lambda: runner.drop_caller(name))
+        service.drop_caller(name)
         app[SUMMARIES].forget(name)
 
     app[KEYRING] = KeyRing(config_path, on_removed=removed)
@@ -63,7 +63,7 @@ def create_app(config: NodeConfig, config_path: Path, service: ModelService, met
     app[IDENTITY] = node_identity
     app[POLICY] = policy
     app[TLS] = tls_json(tls)
-    arena = runner.arena
+    arena = service.arena
     app[METRICS] = NodeMetrics(
         cached_bytes=lambda: float(arena.bytes_total) if arena is not None else 0.0,
         queue_waiting=lambda: float(scheduler.waiting),

@@ -22,8 +22,8 @@ from node.api.body import off_loop, read_body
 from node.api.keys import CALLER, CONFIG, IDENTITY, METER, METRICS, POLICY, SERVICE
 from node.auth import ROUTER, require_role
 from node.config import Caller
-from node.engine.runner import GenerationRequest, GenerationResult
 from node.engine.scheduler import Event, Failed, Finished, Job, QueueFullError, TextDelta
+from node.engine.sequence import GenerationRequest, GenerationResult
 from node.errors import (
     InvalidRequest,
     ModelFailure,
@@ -286,5 +286,5 @@ async def models(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     return web.json_response({"object": "list", "data": [{
         "id": service.model_id, "object": "model", "created": 0, "owned_by": "tenzro",
-        "context_length": service.loaded.context_length, "reuse": service.runner.reuse_enabled,
+        "context_length": service.loaded.context_length, "reuse": service.reuse_enabled,
     }]})

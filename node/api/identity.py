@@ -48,9 +48,8 @@ async def node_identity(request: web.Request) -> web.Response:
         "prices": {name: wei_to_json(value) for name, value in prices.to_mapping().items()},
         "pricing_error": meter.pricing.reload_error,
         "forward": {"backend": forward.backend, "reason": forward.reason},
-        "engine": {**service.runner.engine_config(), "max_queue": service.scheduler.max_queue,
-                   "max_running": service.scheduler.max_running},
-        "sealing": service.runner.sealing_config(),
+        "engine": service.engine_config(),
+        "sealing": service.sealing_config(),
         "hygiene": request.app[HYGIENE],
         "tls": request.app[TLS],
     })
@@ -65,8 +64,8 @@ async def node_state(request: web.Request) -> web.Response:
     return web.json_response({
         "object": "node.state",
         "boot_id": request.app[METER].boot_id,
-        "engine": {**service.runner.engine_state(), **service.scheduler.describe()},
-        "sealing": service.runner.sealing_state(),
+        "engine": service.engine_state(),
+        "sealing": service.sealing_state(),
     })
 
 

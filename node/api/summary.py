@@ -20,22 +20,19 @@ from metering.signer import SIGNATURE_FIELD, signed_payload
 from node.api.body import off_loop
 from node.api.keys import CALLER, IDENTITY, SERVICE, SUMMARIES
 from node.auth import ROUTER, presented_key
-from node.engine.runner import Runner
 from node.errors import PermissionDenied, invalid_request, model_not_found
 from node.identity import NodeIdentity
+from node.service import ModelService
 
 routes = web.RouteTableDef()
 
 
-def warm_forms(runner: Runner, router: str, model: str) -> list[tuple[str, bytes]]:
-    """(caller id, form) for each prefix of `router`'s callers on `model` that the node can still resume; on the
-    worker thread."""
-    cache = runner.prefix_cache
-    if cache is None:
-        return []
+async def warm_forms(service: ModelService, router: str, model: str) -> list[tuple[str, bytes]]:
+    """(caller id, form) for each prefix of `router`'s callers on `model` that the node can still resume; read on
+    the worker thread."""
     own = router + ROUTED
-    warm = cache.warm_forms(lambda scope: scope.model == model and scope.caller.startswith(own),
-                            runner.resumes_anywhere)
+    warm = await asyncio.wrap_future(service.warm_forms(
+        lambda scope: scope.model == model and scope.caller.startswith(own)))
     return [(scope.caller.removeprefix(own), form) for scope, form in warm]
 
 
@@ -72,6 +69,6 @@ async def cache_summary(request: web.Request) -> web.Response:
         raise model_not_found(model)
     router_key = presented_key(request.headers.get("Authorization"))
     epoch = epoch_of(time.time())
-    warm = await asyncio.wrap_future(service.scheduler.ask(lambda: warm_forms(service.runner, router.name, model)))
+    warm = await warm_forms(service, router.name, model)
     return web.json_response(await off_loop(request, _document, request.app[IDENTITY], request.app[SUMMARIES],
                                             router.name, model, router_key, epoch, warm))

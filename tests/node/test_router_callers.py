@@ -73,7 +73,7 @@ async def test_a_router_acts_for_the_caller_it_names_in_a_scope_of_their_own(aio
     assert (await record.json())["caller_id"] == "r1/alice"
     for other in (bearer(r1), bearer(r1, "bob"), bearer(r2, "alice")):  # only the caller it bills sees it
         assert (await client.get("/v1/generation", params={"id": first["id"]}, headers=other)).status == 404
-    cache = client.server.app[SERVICE].runner.prefix_cache
+    cache = client.server.app[SERVICE].runner.reuse.prefix_cache
     assert cache is not None
     model = small_loaded.model_id
     assert sorted(scope.caller for scope in cache._trees if scope.model == model) == [
@@ -97,7 +97,7 @@ async def test_tenzro_caller_is_refused_unless_a_router_names_a_well_formed_call
                                  json={"model": small_loaded.model_id, "prompt": PROMPT, "max_tokens": 1})
     error = (await response.json())["error"]
     assert (response.status, error["param"], error["code"]) == (status, param, code)
-    assert client.server.app[SERVICE].runner.prefix_cache.cached_tokens(Scope("k", small_loaded.model_id)) == 0
+    assert client.server.app[SERVICE].runner.reuse.prefix_cache.cached_tokens(Scope("k", small_loaded.model_id)) == 0
 
 
 async def test_the_header_twice_or_without_a_key_is_refused(aiohttp_client: Any, tmp_path: Path,
@@ -156,7 +156,7 @@ async def test_a_removed_router_takes_its_callers_state_with_it(aiohttp_client: 
     app = client.server.app
     app[KEYRING].refresh()
     await asyncio.wrap_future(app[SERVICE].scheduler.ask(lambda: None))  # after the drop, which was queued first
-    cache = app[SERVICE].runner.prefix_cache
+    cache = app[SERVICE].runner.reuse.prefix_cache
     assert cache is not None
     model = small_loaded.model_id
     assert {scope.caller: cache.cached_tokens(scope) for scope in cache._trees if scope.model == model} == {

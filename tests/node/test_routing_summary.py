@@ -94,7 +94,7 @@ def test_the_runner_remembers_forms_only_for_kept_state(small_loaded: LoadedMode
     assert replies == [result.text]
     held = cache.digest(scope, prompt + result.output_ids)  # the index keeps digests, never the ids
     assert cache._forms[scope] == {b"p" * 32: (20, held), b"r" * 32: (len(prompt) + len(result.output_ids), held)}
-    assert sorted(form for _, form in cache.warm_forms(lambda s: True, runner.resumes_anywhere)) == [b"p" * 32,
+    assert sorted(form for _, form in cache.warm_forms(lambda s: True, runner.reuse.resumes_anywhere)) == [b"p" * 32,
                                                                                                      b"r" * 32]
     unkept = Scope("r1/bob", small_loaded.model_id)
     runner.generate(GenerationRequest(unkept, prompt, SamplingParams(4, 0.0), retain=False,
@@ -168,7 +168,7 @@ async def test_only_a_router_reads_its_signed_summary(aiohttp_client: Any, tmp_p
     before, after = (base64.b64decode(d["bloom"]["data"]) for d in (doc, grown))
     assert grown["entries"] == 10 and all(a & b == a for a, b in zip(before, after, strict=True))
     service = client.server.app[SERVICE]
-    cache = service.runner.prefix_cache
+    cache = service.runner.reuse.prefix_cache
     assert cache is not None
     await asyncio.wrap_future(service.scheduler.ask(lambda: cache.drop_scope(Scope("r1/alice",
                                                                                    small_loaded.model_id))))

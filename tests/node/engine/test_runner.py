@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from cache.arena import Scope
-from node.engine.cpu_kernels import NativeLayer
 from node.engine.forward import Forward
+from node.engine.kernel_operands import NativeLayer
 from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, Runner
 from node.engine.sampling import SamplingParams
@@ -96,8 +96,8 @@ def test_generation_reports_cached_reads_and_writes(loaded: LoadedModel) -> None
     second = runner.generate(GenerationRequest(SCOPE, follow, SamplingParams(5, 0.0)), lambda _: None,
                              lambda: False)
     assert (second.cached_read_tokens, second.cached_write_tokens) == (69, 10)
-    assert runner.prefix_cache is not None
-    assert runner.prefix_cache.cached_tokens(SCOPE) == 64 + 5 + 10 + 5
+    assert runner.reuse.prefix_cache is not None
+    assert runner.reuse.prefix_cache.cached_tokens(SCOPE) == 64 + 5 + 10 + 5
 
 
 def test_cancellation_stops_decoding_and_keeps_the_prompt_state(loaded: LoadedModel) -> None:
@@ -181,17 +181,17 @@ def test_a_reply_is_remembered_only_where_its_text_is_exactly_its_ids(loaded: Lo
         prompt = tokens(31, 24)
         plain = runner.generate(GenerationRequest(SCOPE, prompt, SamplingParams(8, 0.0)), emit=lambda _: None,
                                 cancelled=lambda: False)
-        assert runner.replies.recall(SCOPE, plain.text) == plain.output_ids
+        assert runner.reuse.replies.recall(SCOPE, plain.text) == plain.output_ids
         # A stop string cut the text short of the ids; retention none keeps nothing.
         stop = plain.text[len(plain.text) // 2:][:3]
         assert stop
         other = Scope("stopped", loaded.model_id)
         cut = runner.generate(GenerationRequest(other, prompt, SamplingParams(8, 0.0, stop=(stop,))),
                               emit=lambda _: None, cancelled=lambda: False)
-        assert cut.text != plain.text and runner.replies.replies(other) == 0
+        assert cut.text != plain.text and runner.reuse.replies.replies(other) == 0
         kept_none = Scope("none", loaded.model_id)
         runner.generate(GenerationRequest(kept_none, prompt, SamplingParams(8, 0.0), retain=False),
                         emit=lambda _: None, cancelled=lambda: False)
-        assert runner.replies.replies(kept_none) == 0
+        assert runner.reuse.replies.replies(kept_none) == 0
         runner.drop_caller(SCOPE.caller)
-        assert runner.replies.recall(SCOPE, plain.text) is None
+        assert runner.reuse.replies.recall(SCOPE, plain.text) is None

@@ -46,8 +46,8 @@ def run(runner: Runner, scope: Scope, prompt: list[int], retain: bool = True, bo
 
 
 def arena_of(runner: Runner) -> StateArena:
-    assert runner.arena is not None
-    return runner.arena
+    assert runner.reuse.arena is not None
+    return runner.reuse.arena
 
 
 def test_a_sealed_hit_equals_reuse_off(loaded: LoadedModel) -> None:
@@ -162,14 +162,14 @@ def test_a_wipe_of_an_idle_lane_gives_way_to_waiting_work_and_a_later_settle_fin
         looks.append(1)
         return len(looks) > 1
 
-    dirty = sealed._dirty[0]
+    dirty = sealed.reuse._dirty[0]
     assert dirty >= 300
     sealed.settle(stop)
-    assert sealed._dirty[0] == dirty - 64  # what is left to zero
+    assert sealed.reuse._dirty[0] == dirty - 64  # what is left to zero
     for buffer in pool._buffers.values():
         assert buffer[:, :, :dirty - 64].any() and not buffer[:, :, dirty - 64:dirty].any()
     sealed.settle()
-    assert sealed._dirty[0] == 0 and all(not buffer[:, :, :dirty].any() for buffer in pool._buffers.values())
+    assert sealed.reuse._dirty[0] == 0 and all(not buffer[:, :, :dirty].any() for buffer in pool._buffers.values())
 
 
 def test_a_removed_caller_leaves_zeros_and_no_key(loaded: LoadedModel) -> None:
@@ -188,7 +188,7 @@ def test_a_removed_caller_leaves_zeros_and_no_key(loaded: LoadedModel) -> None:
 
 
 def test_the_cost_of_sealing_is_measured_at_load_and_these_models_keep_their_state(loaded: LoadedModel) -> None:
-    cost = sealing_runner(loaded, seal_cost=None).seal_cost
+    cost = sealing_runner(loaded, seal_cost=None).reuse.seal_cost
     assert cost is not None and cost.sample_tokens == 256 and cost.sample_bytes > 0
     assert cost.open_s_per_byte > 0 and cost.recompute_s_per_token > 0
     assert cost.model_worth_sealing  # a CPU computes a token slower than it opens the token's state

@@ -1,0 +1,433 @@
+"""Model state between requests: what a request resumes from, and what it leaves for its caller's next one.
+
+vLLM's KV cache manager in spirit. The runner runs sequences; this manager decides what of them outlives them:
+`begin` restores the deepest stored prefix of a request's prompt into its lane (copying the rows a running request
+of the same caller holds rather than opening them, where `kinship.py` finds one; `copy_from_donor` goes on copying
+while that request computes), `end` stores what the request computed (with snapshots where the snapshot policy
+asks), `settle` seals cold state and wipes what idle lanes still hold, and `drop_caller` and `expire` destroy a
+caller's state. It also keeps the reply book and the lanes' buffers, which outlive requests: reserved at start,
+and holding the last stored request's rows (the hot working cache), so that the next request of that caller
+starts there without a copy. Plaintext of one caller is never handed to another: every copy between running
+requests, and every adoption of a lane's rows, is within one scope.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from cache.adapters import Snapshot
+from cache.arena import Borrowed, Scope, SealCost, SealedEntryError, StateArena
+from cache.opening import Opening
+from cache.prefix_cache import PrefixCache, StoreResult, belongs_to
+from cache.radix_tree import common_prefix_length
+from cache.replies import ReplyBook
+from cache.snapshot_policy import SnapshotPolicy
+from cache.token_digest import DigestRun
+from cache.working_cache import ROWS_GRAIN
+from node.engine.kinship import FOLLOW_MIN, best_donor, copied_snapshots, copy_rows, held_state
+from node.engine.loader import LoadedModel
+from node.engine.seal_cost import measure_seal_cost
+from node.engine.sequence import GenerationRequest, Running
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What `begin` hands a request starting in a lane; the runner's `Running` is built from it."""
+
+    cache: DynamicCache
+    """The lane's working cache, holding the prompt's state up to `length`."""
+    length: int
+    """Prompt tokens restored (opened from stored state, adopted from the lane's hot rows, copied from a running
+    request of the caller) instead of computed: at most all but the last, whose logits choose the first token."""
+    matched: int
+    """Prompt tokens that agreed with the scope's stored tokens; beyond `length` only between snapshots."""
+    scratch: list[torch.Tensor]
+    """State opened outside the lane's buffers; zeroed when the request leaves its lane (`vacate`)."""
+    opening: Opening | None
+    """Sealed rows still opening: the first prefill chunk reads them as they open (`finish_opening`)."""
+    donor: tuple[Running, int] | None
+    """A running request of the caller that computes at least FOLLOW_MIN more of this prompt than was restored,
+    and how far they agree: `Runner.follow` copies its rows rather than computing them."""
+    wanted: list[int]
+    """Prompt positions to snapshot the state at (the snapshot policy's), so that what is stored resumes there."""
+
+
+@dataclass(frozen=True, slots=True)
+class HotLane:
+    """The last stored request's state, still in its lane's buffers: the scope's next request there adopts it."""
+
+    lane: int
+    scope: Scope
+    run: DigestRun
+    """The digests of the tokens whose rows the lane holds."""
+
+
+class ReuseManager:
+    """Restores, stores, seals and wipes the state of one model's requests; the runner calls it on the engine's
+    worker thread, which alone touches the prefix index, the arena and the lanes' buffers."""
+
+    def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache | None, live: Mapping[int, Running],
+                 policy: SnapshotPolicy | None = None, seal_cost: SealCost | None = None) -> None:
+        """`live`: the runner's running sequences by lane (read here, never changed). `seal_cost` None: measured
+        now when stored state is sealed (`seal_cost.py`)."""
+        self.loaded = loaded
+        self.policy = policy or SnapshotPolicy()
+        self.prefix_cache = prefix_cache if loaded.state is not None else None
+        self.arena: StateArena | None = None
+        if self.prefix_cache is not None and loaded.state is not None:
+            assert isinstance(self.prefix_cache.arena, StateArena)
+            self.arena = self.prefix_cache.arena
+            if seal_cost is None and self.arena.sealer is not None:
+                seal_cost = measure_seal_cost(loaded, self.arena.sealer)
+            self.arena.register_model(loaded.model_id, loaded.state, seal_cost)
+            self.prefix_cache.register_model(loaded.model_id, loaded.state.needs_snapshots)
+        self.seal_cost = seal_cost
+        self.keeps_state = (self.arena is not None and (seal_cost is None or seal_cost.model_worth_sealing
+                                                         or self.arena.plaintext_bytes > 0))
+        """False: the model computes its state faster than the node opens it, and no hot tier would hold it
+        plaintext; requests store nothing (billed without cached writes, `retained` false), as under retention
+        none."""
+        self.replies = ReplyBook()
+        """The replies generated for callers whose state is kept, sealed (`cache/replies.py`): kept with reuse off
+        too, so that a conversation's prompts, and so its outputs, are the same with reuse on and off."""
+        self._live = live
+        self._hot: HotLane | None = None
+        self._dirty: dict[int, int] = {}
+        """Per lane, rows of its working buffers written since they were last wiped."""
+        self.lane_rows = 0
+        """Token rows each lane's buffers were given at start (`reserve_lanes`)."""
+
+    def reserve_lanes(self, lanes: int, budget: int) -> int:
+        """At start: give `lanes` lanes working buffers of as many token rows as `budget` bytes allow in all (whole
+        grains of `ROWS_GRAIN`, at most the model's context), written with zeros. The buffers outlive requests,
+        as the hot working cache in them does; a lane's first request would otherwise fault their pages in on its
+        time to first token (BATCHING.md, "Memory: lanes"). Returns the rows each lane holds (0: nothing
+        reserved; lanes then allocate when first used). Lanes still grow past it when a request needs more."""
+        state = self.loaded.state
+        if state is None or lanes <= 0 or budget <= 0:
+            return 0
+        if not state.lane_row_bytes(0):
+            # Learn the buffers' shapes (heads, head dim, dtype per layer) from one token run in lane 0.
+            with torch.inference_mode():
+                cache, _ = state.new_cache(1, lane=0)
+                self.loaded.forward.prefill([0], 0, cache)
+                state.wipe_pool(0, 1, lane=0)
+        row_bytes = state.lane_row_bytes(0)
+        if not row_bytes:
+            return 0  # no layer keeps K/V rows in lane buffers (recurrent models)
+        rows = min(budget // (lanes * row_bytes), self.loaded.context_length) // ROWS_GRAIN * ROWS_GRAIN
+        if rows:
+            state.reserve_lanes(lanes, rows)
+        self.lane_rows = rows
+        return rows
+
+    # -- what anyone may read -------------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefix_cache is not None
+
+    @property
+    def resumes_anywhere(self) -> bool:
+        """Every position the stored spans cover is a resume point (`PrefixCache.acquire`'s `anywhere`)."""
+        return not self._takes_snapshots
+
+    @property
+    def _takes_snapshots(self) -> bool:
+        state = self.loaded.state
+        return (self.prefix_cache is not None and state is not None
+                and (state.needs_snapshots or not self.policy.anywhere))
+
+    def sealing_config(self) -> dict[str, Any]:
+        """For anyone (`GET /v1/node`): whether stored state is sealed and how; fixed at start, so that it says
+        nothing of other callers' traffic."""
+        arena = self.arena
+        if arena is None or arena.sealer is None:
+            return {"on": False, "reason": "reuse is off: nothing is stored" if arena is None else
+                    "started with --no-seal"}
+        return {"on": True, "cipher": "AES-256-GCM",
+                "keys": "one per scope (caller, model): HKDF-SHA256 of a boot master key held in memory only",
+                "master_key_locked": arena.sealer.master_locked, "open_threads": arena.sealer.threads,
+                "hot_tier_bytes": arena.plaintext_bytes, "reserve_bytes": arena.memory.reserved_bytes,
+                **self._seal_cost_state()}
+
+    def sealing_state(self) -> dict[str, Any]:
+        """For operators (`GET /v1/node/state`): `sealing_config` and what the tiers hold now (entries, bytes
+        sealed and in the clear, failures), which grows with every caller's stored tokens."""
+        return {**self.sealing_config(), **(self.arena.describe() if self.arena is not None else {})}
+
+    def _seal_cost_state(self) -> dict[str, Any]:
+        cost = self.seal_cost
+        if cost is None:
+            return {}
+        # Measured at load; an entry whose bytes open slower than its tokens compute is dropped, not sealed.
+        return {"open_ms_per_mib": round(cost.open_s_per_byte * 2**20 * 1e3, 4),
+                "recompute_ms_per_token": round(cost.recompute_s_per_token * 1e3, 4), "keeps_state": self.keeps_state}
+
+    def warm_forms(self, select: Callable[[Scope], bool]) -> list[tuple[Scope, bytes]]:
+        """The remembered prefix forms of the scopes `select` takes that the node can still resume
+        (`PrefixCache.warm_forms`); none with reuse off."""
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.warm_forms(select, self.resumes_anywhere)
+
+    # -- a request starts -----------------------------------------------------------------------------------
+
+    def pick_lane(self, scope: Scope, lanes: int) -> int:
+        """A free lane among `lanes` for a request of `scope`: the one holding its hot working cache if free,
+        else the lowest free lane that does not hold another scope's hot working cache."""
+        hot = self._hot.lane if self._hot is not None else None
+        if self._hot is not None and self._hot.scope == scope and hot not in self._live:
+            return self._hot.lane
+        free = [lane for lane in range(lanes) if lane not in self._live]
+        assert free, "the scheduler admits no more requests than there are lanes"
+        return min(free, key=lambda lane: (lane == hot, lane))
+
+    def begin(self, request: GenerationRequest, lane: int) -> Restored:
+        """Restore the deepest resume point of `request`'s prompt into `lane` (free), and plan its snapshots.
+
+        Takes the request and its lane rather than its `Running`, which holds the working cache made here."""
+        prompt = request.prompt
+        donor = self._donor(request)
+        cache, length, matched, scratch, opening = self._restore(request.scope, prompt,
+                                                                 len(prompt) + request.params.max_tokens, lane, donor)
+        wanted = self._snapshot_plan(prompt, request.boundaries, length, matched)
+        if donor is not None and donor[1] < length + FOLLOW_MIN:
+            donor = None  # it computes too little of this prompt beyond what was restored to be followed
+        return Restored(cache, length, matched, scratch, opening, donor, wanted)
+
+    def _donor(self, request: GenerationRequest) -> tuple[Running, int] | None:
+        """`kinship.best_donor` of the running requests, where state can be copied between requests (not with
+        reuse off or retention none)."""
+        if self.prefix_cache is None or not request.retain:
+            return None
+        return best_donor(request, [seq for seq in self._live.values() if seq.opening is None])
+
+    def _snapshot_plan(self, prompt: list[int], boundaries: tuple[int, ...], start: int, matched: int) -> list[int]:
+        if not self._takes_snapshots:
+            return []
+        return self.policy.prompt_positions(start, len(prompt), boundaries, branch=matched if matched > start else 0)
+
+    def _restore(self, scope: Scope, prompt: list[int], capacity: int, lane: int,
+                 donor: tuple[Running, int] | None = None
+                 ) -> tuple[DynamicCache, int, int, list[torch.Tensor], Opening | None]:
+        """A working cache in `lane` resumed at the deepest resume point; (cache, its length, tokens matched,
+        state opened outside the lane's buffers, sealed rows still opening). Rows that `donor` (a running
+        request of the scope whose prompt agrees with `prompt` for `donor[1]` tokens) holds are copied from it
+        rather than opened."""
+        state = self.loaded.state
+        hot = self._hot if self._hot is not None and self._hot.lane == lane else None
+        if hot is not None:
+            self._hot = None  # the lane's buffers are about to be overwritten
+        if state is None:
+            return DynamicCache(config=self.loaded.model.config), 0, 0, [], None
+        if self.prefix_cache is None:  # reuse off: still the working cache, which the CPU decoder writes in place
+            return state.new_cache(capacity, lane=lane)[0], 0, 0, [], None
+        assert self.arena is not None
+        self.arena.own_borrowed()  # no-op after `settle`; the new working cache overwrites the buffers
+        # At least one prompt token is always computed: its logits choose the first output token.
+        run = self.prefix_cache.digest(scope, prompt)
+        for _ in range(2):
+            lease = self.prefix_cache.acquire(scope, run, limit=len(prompt) - 1, anywhere=self.resumes_anywhere)
+            opening: Opening | None = None
+            try:
+                # The same scope's last request left its state in this lane's buffers: the part of the lease
+                # it covers needs no copy.
+                warm = min(common_prefix_length(hot.run, run), lease.length) if hot and hot.scope == scope else 0
+                cache, adopted = state.new_cache(capacity, adopt=warm, lane=lane)
+                held = min(donor[1], donor[0].position, lease.length) if donor is not None else 0
+                if donor is not None and held > adopted:
+                    # Another request of this caller holds these rows in plaintext: a copy, not an opening.
+                    adopted = self._copy_rows(donor[0], cache, adopted, held, lane)
+                opening = self.arena.restore(state, cache, lease.spans, skip=adopted, snapshot=lease.snapshot,
+                                             position=lease.length, later=True)
+                if opening is not None:
+                    opening.lease = lease  # released once its rows are open
+                return cache, lease.length, lease.matched, self._opened(lane), opening
+            except SealedEntryError as exc:
+                # Altered, moved or opened under the wrong scope: dropped and counted; this request recomputes.
+                failed, opening = exc.handles, None
+            finally:
+                if opening is None:
+                    self.prefix_cache.release(lease)
+            for tensor in self._opened(lane):
+                tensor.zero_()
+            self.prefix_cache.discard(scope, failed)
+            hot = None
+        return state.new_cache(capacity, lane=lane)[0], 0, 0, [], None
+
+    def _opened(self, lane: int) -> list[torch.Tensor]:
+        """Count the rows an opening wrote in `lane`'s buffers as written; the state it opened elsewhere."""
+        assert self.arena is not None
+        self._dirty[lane] = max(self._dirty.get(lane, 0), self.arena.written)
+        self.arena.written = 0
+        return self.arena.take_scratch()
+
+    def copy_from_donor(self, seq: Running, donor: Running, common: int) -> bool:
+        """Copy into `seq` the state `donor` (running, of its scope, agreeing with its prompt for `common` tokens)
+        has computed of their common prompt since `seq.position`: rows up to the donor's position, or for a model
+        that resumes only at snapshots, up to where the donor holds one, or its live state. Whether it copied
+        (`seq.position` and `restored` then moved on, with the snapshots `seq` wants there)."""
+        end, snapshot, state = min(common, donor.position), None, self.loaded.state
+        assert state is not None
+        if state.needs_snapshots:
+            end, snapshot = held_state(donor, seq.position, common, state)
+        if end <= seq.position:
+            return False
+        start = seq.position
+        seq.position = seq.restored = self._copy_rows(donor, seq.cache, start, end, seq.lane)
+        if snapshot is not None:
+            state.restore_snapshot(seq.cache, snapshot, end)
+        seq.snapshots.update(copied_snapshots(donor, seq, start, end, state))
+        return True
+
+    def _copy_rows(self, donor: Running, cache: DynamicCache, start: int, end: int, lane: int) -> int:
+        """`kinship.copy_rows` into `lane`, whose written rows it counts; returns `end`."""
+        assert self.loaded.state is not None
+        copy_rows(donor, cache, start, end, self.loaded.state.specs)
+        self._dirty[lane] = max(self._dirty.get(lane, 0), end)
+        return end
+
+    def finish_opening(self, seq: Running) -> bool:
+        """Finish the opening of `seq`'s sealed rows (its first chunk has read them as they opened) and release
+        their lease. False when an entry failed to open: it is dropped and counted, and the state opened for
+        `seq` is zeroed; the request then has no restored state to stand on."""
+        opening, seq.opening = seq.opening, None
+        if opening is None:
+            return True
+        try:
+            opening.finish()
+            return True
+        except SealedEntryError as exc:
+            failed = exc.handles
+        finally:
+            assert self.prefix_cache is not None
+            self.prefix_cache.release(opening.lease)
+        for tensor in seq.scratch:
+            tensor.zero_()
+        self.prefix_cache.discard(seq.request.scope, failed)
+        return False
+
+    # -- a request ends -------------------------------------------------------------------------------------
+
+    def vacate(self, seq: Running) -> None:
+        """`seq` has left its lane: the state opened for it elsewhere is zeroed, the rows it wrote are counted
+        for `settle` to wipe."""
+        for tensor in seq.scratch:
+            tensor.zero_()
+        seq.scratch.clear()
+        written = seq.position + len(seq.output)
+        self._dirty[seq.lane] = max(self._dirty.get(seq.lane, 0), written)
+
+    def remember_reply(self, seq: Running) -> None:
+        """Remember `seq`'s reply for its scope when it keeps its state and its text is exactly its ids decoded
+        (with no stop string cut from it, no special token inside it): a conversation that sends the text back
+        is then given the ids. Done with reuse off too (`replies`)."""
+        if not seq.request.retain or seq.discard or seq.prefilling:
+            return
+        ids = seq.output
+        while ids and ids[-1] in self.loaded.eos_token_ids:
+            ids = ids[:-1]
+        if ids and self.loaded.tokenizer.decode(ids, skip_special_tokens=False) == seq.detok.text:
+            self.replies.record(seq.request.scope, seq.detok.text, ids)
+
+    def awaits_last_token(self, seq: Running) -> bool:
+        """Whether `end` stores `seq`'s state with its last sampled token, which has not run yet: the runner runs
+        it first (`Runner.feed_last` for several at once, else `Runner.finish`)."""
+        return (seq.request.retain and self.keeps_state and not seq.discard and not seq.prefilling
+                and bool(seq.output) and not seq.fed and self.prefix_cache is not None)
+
+    def end(self, seq: Running) -> StoreResult | None:
+        """Store the state of `seq`, ended and out of its lane, for its caller, with its remembered prefix forms;
+        None when nothing of it is kept (retention none, its caller removed while it ran, reuse off, or a model
+        whose state is not worth keeping). A request cancelled while prefilling keeps what it computed."""
+        request, prompt, output = seq.request, seq.request.prompt, seq.output
+        if not (request.retain and self.keeps_state) or seq.discard:
+            return None
+        assert self.prefix_cache is not None
+        fed = prompt + output
+        if seq.prefilling:
+            fed = prompt[:seq.position]
+        elif output:
+            self.snapshot_end(seq, len(fed))
+        # One run of digests for the index, the hot working cache and the remembered forms.
+        held = self.prefix_cache.digest(request.scope, fed)
+        stored = self.store(seq.lane, request.scope, held, seq.cache, seq.snapshots)
+        forms = request.forms
+        if not seq.prefilling and (forms.at or forms.reply is not None):
+            reply_end = () if forms.reply is None else ((len(held), forms.reply(seq.detok.text)),)
+            self.prefix_cache.record_forms(request.scope, held, forms.at + reply_end)
+        return stored
+
+    def snapshot_end(self, seq: Running, end: int) -> None:
+        """The end of everything `seq` stores (its reply's, or a bare prompt's) is a resume point."""
+        if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:
+            seq.snapshots[end] = self.loaded.state.snapshot(seq.cache)
+
+    def store(self, lane: int, scope: Scope, tokens: Sequence[int] | DigestRun, cache: DynamicCache,
+              snapshots: dict[int, Snapshot]) -> StoreResult:
+        """Store the state `cache` holds of `tokens` for `scope`, borrowing `lane`'s buffers until `settle`; the
+        lane becomes the scope's hot working cache."""
+        if self.prefix_cache is None or self.loaded.state is None:
+            return StoreResult(len(tokens), 0)
+        state = self.loaded.state
+        state.materialize(cache)  # stored spans are cut from the buffers, which must hold every row
+        run = self.prefix_cache.digest(scope, tokens)
+        # Views of the lane's buffers: `settle` seals them from there (or copies them) before they are reused.
+        result = self.prefix_cache.store(
+            scope, run, lambda start, end: Borrowed(state.extract(cache, start, end, borrow=True)), snapshots)
+        self._hot = HotLane(lane, scope, run)
+        return result
+
+    # -- between requests -----------------------------------------------------------------------------------
+
+    def settle(self, stop: Callable[[], bool] = lambda: False, waiting: Callable[[], bool] | None = None) -> None:
+        """Seal cold state, yielding to other work (`stop`), then zero plaintext that is no longer hot (rows of
+        idle lanes beyond the hot working cache, state opened outside the lanes), yielding only to requests
+        waiting to start (`waiting`, default `stop`): rows a wipe leaves are zeroed by the next `settle` no
+        request waits on, or written over by the lane's next request. Sealing comes first: spans stored from a
+        lane borrow its rows until they are sealed or copied, which `seal_cold` does to every one of them."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.seal_cold(stop)
+        state = self.loaded.state
+        if state is not None:
+            for lane, dirty in list(self._dirty.items()):
+                if lane not in self._live:
+                    keep = len(self._hot.run) if self._hot is not None and self._hot.lane == lane else 0
+                    self._dirty[lane] = max(keep, state.wipe_pool(keep, dirty, lane, waiting or stop))
+        if self.arena is not None:
+            self.arena.wipe_scratch()
+
+    def drop_caller(self, caller: str) -> bool:
+        """The caller's key was removed: its stored state (and that of the callers it acts for as a router) is
+        zeroed, its keys destroyed, its replies forgotten, and its running requests will store nothing. True when
+        its hot working cache is dropped too: the caller then settles, which wipes it."""
+        self.replies.drop(lambda scope: belongs_to(scope, caller))
+        for seq in self._live.values():
+            if belongs_to(seq.request.scope, caller):
+                seq.discard = True  # nothing of it is stored when it ends
+        if self.prefix_cache is None:
+            return False
+        dropped = self.prefix_cache.drop_caller(caller)
+        return self._cool(lambda scope: scope in dropped or belongs_to(scope, caller))
+
+    def expire(self, ttl_of: Callable[[str], float | None]) -> bool:
+        """Destroy the state and replies of scopes unused for longer than their caller's time to live. True when
+        the hot working cache is among them: the caller then settles, which wipes it."""
+        self.replies.expire(ttl_of)
+        if self.prefix_cache is None:
+            return False
+        expired = self.prefix_cache.expire(ttl_of)
+        return self._cool(lambda scope: scope in expired)
+
+    def _cool(self, gone: Callable[[Scope], bool]) -> bool:
+        """Forget the hot working cache if its scope is `gone`; whether it was."""
+        if self._hot is None or not gone(self._hot.scope):
+            return False
+        self._hot = None
+        return True
