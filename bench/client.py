@@ -176,7 +176,8 @@ class Client:
                         parts.append(text)
                         arrivals.append(arrived)
                 usage = event.get("usage") or usage
-                if "prompt_token_ids" in event:
+                # vLLM sends the prompt's ids on its first chunk and null on the rest; this node on its last.
+                if event.get("prompt_token_ids") is not None:
                     prompt_ids = tuple(int(t) for t in event["prompt_token_ids"])
         if not done:
             raise BenchError(f"POST {self.base}{path}: the stream ended before [DONE]")

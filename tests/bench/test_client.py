@@ -140,6 +140,20 @@ async def test_metrics_are_read_with_the_operator_key(aiohttp_client: Serve) -> 
         await client.metrics(KEY)
 
 
+@pytest.mark.parametrize("events", [
+    [{"choices": [{"delta": {"role": "assistant"}}], "prompt_token_ids": [3, 1, 4]},  # vLLM: on the first chunk
+     {"choices": [{"delta": {"content": "x"}}], "prompt_token_ids": None}, "[DONE]"],
+    [{"choices": [{"delta": {"content": "x"}}]},  # this node: on the finishing chunk
+     {"choices": [{"delta": {}, "finish_reason": "length"}], "prompt_token_ids": [3, 1, 4]}, "[DONE]"],
+])
+async def test_chat_reads_the_prompts_token_ids_where_the_server_sends_them(aiohttp_client: Serve,
+                                                                            events: Events) -> None:
+    client, seen = await _client(aiohttp_client, {"/v1/chat/completions": events})
+    streamed = await client.chat([{"role": "user", "content": "hi"}], token_ids=True)
+    assert (streamed.text, streamed.prompt_ids) == ("x", (3, 1, 4))
+    assert seen[-1][2]["return_token_ids"] is True
+
+
 @pytest.mark.parametrize(("events", "message"), [
     ([{"error": {"message": "boom"}}], "the server failed a request mid-stream: {'message': 'boom'}"),
     (["not json"], "the server streamed a non-JSON event: 'not json'"),
