@@ -102,12 +102,12 @@ PREFILL_PER_RUNNING = 128
 decoding: a wave of prompts with nobody waiting for a next token is computed in a step or two, and decode steps
 then run full batches, which is what a step's fixed costs (its shared rows, its per-layer overhead) are spread over
 (BATCHING.md, "The step's token budget")."""
-STEP_TOKENS = 192
+STEP_TOKENS = 128
 """Tokens a step computes while requests are decoding: each decoding row counts one and prefill chunks fill the
 rest, at least one chunk so that prompts always advance (vLLM's chunked prefill budgets a step the same way). A
 decoding request's next token then waits for at most this much prefill, not for a whole wave of next-turn prompts
 (BATCHING.md, "The step's token budget")."""
-ADMIT_WHILE_DECODING = 4
+ADMIT_WHILE_DECODING = 2
 """Requests admitted in one turn while others decode: admitting one restores its prefix into its lane (a copy of
 its rows), and a wave admitted at once holds every decoding request's next token; the budget above would hold
 their prompts back in any case."""
