@@ -178,20 +178,22 @@ def _check_measurements(
         emit(Check("gpu measurements", "not checked: the collateral has no NVIDIA RIM files"))
         return ()
     rim_roots = roots.roots_in(NVIDIA_RIM_ROOT_FILE, "GPU RIM")
-    used: dict[str, nvidia_rim.Rim] = {}
+    verified: dict[str, nvidia_rim.Rim] = {}
+    """Version -> its RIM, verified once: the GPUs of one machine mostly share their driver and VBIOS."""
     for device, proof in zip(devices, proofs, strict=True):
         chosen = []
         for kind, version in (("driver", proof.report.driver_version), ("VBIOS", proof.report.vbios_version)):
             if version is None:
                 raise VerificationError("gpu-malformed-report", f"{_name(device)}'s report names no {kind} version, "
                                         "so no RIM can be chosen for it")
-            chosen.append(nvidia_rim.select_rim(collateral.nvidia_rims, version, f"{kind} {version} of "
-                                                f"{_name(device)}", rim_roots, now))
+            if version.lower() not in verified:
+                verified[version.lower()] = nvidia_rim.select_rim(
+                    collateral.nvidia_rims, version, f"{kind} {version} of {_name(device)}", rim_roots, now)
+            chosen.append(verified[version.lower()])
         compared = nvidia_rim.check_measurements(proof.report.measurements, chosen, _name(device))
         emit(Check("gpu measurements", f"{_name(device)}: {compared} measurements match NVIDIA's reference values in "
                                        + " and ".join(f"{rim.source} ({rim.version})" for rim in chosen)))
-        used.update((rim.source, rim) for rim in chosen)
-    return tuple(used.values())
+    return tuple(verified.values())
 
 
 def _check_revocation(

@@ -217,7 +217,7 @@ class TrustPolicy:
                 judgement.refuse("gpu-missing", f"gpu: required, and {missing}")
         if self.revocation == "required":
             judgement.pin("revocation", "required")
-            unchecked = [item for item in presented.not_checked if not_checked_about(item).endswith("revocation")]
+            unchecked = _revocation_unchecked(presented)
             if unchecked:
                 judgement.refuse("revocation-not-checked", "revocation: required, and the verifier did not check it: "
                                  + "; ".join(unchecked))
@@ -350,7 +350,7 @@ class TrustPolicy:
             pinned["migration_agent"] = "allowed" if snp.policy & MIGRATE_MA_BIT else "forbidden"
             pinned["smt"] = "allowed" if snp.policy & SMT_BIT else "forbidden"
             pinned.update({key: [getattr(snp, field).hex()] for key, (field, _, _) in SNP_VALUE_KEYS.items()})
-        if hardware and not any(not_checked_about(item).endswith("revocation") for item in presented.not_checked):
+        if hardware and not _revocation_unchecked(presented):
             pinned["revocation"] = "required"
         return pinned
 
@@ -470,3 +470,8 @@ def _model_digests(value: Any) -> Literal["any"] | Mapping[str, frozenset[str]]:
             raise TrustPolicyError(f"model_digests.{model}: a list of digests (any is said of model_digests whole)")
         models[model] = accepted
     return models
+
+
+def _revocation_unchecked(presented: Presented) -> list[str]:
+    """The verifier's `not_checked` phrases about revocation (CPU or GPU certificates)."""
+    return [item for item in presented.not_checked if not_checked_about(item).endswith("revocation")]

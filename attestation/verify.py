@@ -87,9 +87,10 @@ def verify_evidence(
             on_check(check)
 
     platform: Platform | None = None
-    roots = trust_roots if isinstance(trust_roots, TrustRoots) else None
-    if not isinstance(trust_roots, TrustRoots) and (evidence.evidence_type != "none" or evidence.gpu is not None):
-        roots = load_trust_roots(trust_roots)
+    # Roots are read only when something chains to them: `none` evidence without a GPU part needs none.
+    needs_roots = evidence.evidence_type != "none" or evidence.gpu is not None
+    roots = trust_roots if isinstance(trust_roots, TrustRoots) else (
+        load_trust_roots(trust_roots) if needs_roots else None)
     if evidence.evidence_type == "none":
         if not allow_none:
             raise VerificationError(

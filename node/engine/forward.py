@@ -34,7 +34,7 @@ from transformers import DynamicCache
 
 from node.engine.batch_forward import BatchedDecode, Shared
 from node.engine.cpu_decoder import CpuDecoder, unsupported_reason
-from node.engine.cpu_kernels import CpuKernels, load_kernels
+from node.engine.cpu_kernels import CpuKernels, KernelsFound, load_kernels
 from node.engine.last_row import LastRow
 from node.engine.prediction import Logits, Prediction
 from node.log_privacy import Safe
@@ -115,10 +115,11 @@ def choose_forward(model: Any, device: torch.device, dtype: torch.dtype, model_i
     if last_row is not None and not last_row_agrees(model, last_row):
         log.warning("model %s: its last layer does not reduce to the last position; it runs in full", Safe(model_id))
         last_row = None
-    kernels = load_kernels().kernels
+    found = load_kernels()
     one_thread_f32 = torch.get_num_threads() == 1 and device.type == "cpu" and dtype == torch.float32
-    decode_kernels = kernels if kernels is not None and one_thread_f32 else None
-    decoder, reason = _cpu_decoder(model) if device.type == "cpu" else (None, f"the model runs on {device.type}")
+    decode_kernels = found.kernels if one_thread_f32 else None
+    decoder, reason = _cpu_decoder(model, found) if device.type == "cpu" else (
+        None, f"the model runs on {device.type}")
     forward = Forward("native-cpu" if decoder is not None else "library", reason, model, device, last_row=last_row,
                       decoder=decoder, decode_kernels=decode_kernels)
     log.info("model %s: %s forward (%s); decode attention %s", Safe(model_id), Safe(forward.backend), Safe(reason),
@@ -137,12 +138,11 @@ def available_memory() -> int | None:
     return None
 
 
-def _cpu_decoder(model: Any) -> tuple[CpuDecoder | None, str]:
+def _cpu_decoder(model: Any, found: KernelsFound) -> tuple[CpuDecoder | None, str]:
     """The kernels' forward where it applies, else None; and why. It needs the kernels (built at install,
     an AVX-512 CPU, not switched off), one torch thread (the kernels are single-threaded), room for its
     packed copy of the weights (at most half of the memory still available), a model class it implements,
     and a short forward that reproduces transformers' own (checked here)."""
-    found = load_kernels()
     if found.kernels is None:
         return None, found.reason
     threads = torch.get_num_threads()
