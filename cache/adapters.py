@@ -9,7 +9,7 @@ states. Each adapter knows how its kind is cut, restored and split, and nothing 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from cache.lanes import BufferPool
 from cache.state_spec import (
     ComponentSpec,
     FullAttentionSpec,
@@ -24,7 +25,7 @@ from cache.state_spec import (
     RecurrentSpec,
     SlidingWindowSpec,
 )
-from cache.working_cache import BufferPool, GrowableKVLayer
+from cache.working_cache import GrowableKVLayer
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
@@ -159,7 +160,8 @@ def state_bytes(state: SpanState | Snapshot | None) -> int:
 
 
 class ModelStateAdapter:
-    """Cuts and restores the whole stack of one model, layer by layer, through the per-kind adapters."""
+    """Cuts and restores the whole stack of one model, layer by layer, through the per-kind adapters, and builds
+    its working caches over the buffers it is given (the lanes', `cache/lanes.py`, own them)."""
 
     def __init__(self, specs: Sequence[LayerStateSpec], config: Any) -> None:
         self.specs = tuple(specs)
@@ -168,8 +170,6 @@ class ModelStateAdapter:
             tuple((component, COMPONENT_ADAPTERS[type(component)]) for component in spec.components)
             for spec in specs)
         self._full = FullAttentionAdapter()
-        self._pools: dict[int, BufferPool] = {}
-        """Working buffers per lane: one running sequence owns a lane (see `node/engine/BATCHING.md`)."""
         self.needs_snapshots = any(spec.needs_snapshot for spec in specs)
         # Building a DynamicCache walks the config (on every request's time to first token; RESULTS.md, 2026-11-30);
         # one of only plain full-attention layers and known fields is copied instead.
@@ -177,38 +177,12 @@ class ModelStateAdapter:
         copyable = (set(vars(template)) <= {"layers", "layer_class_to_replicate", "offloading"}
                     and all(type(layer) is DynamicLayer for layer in template.layers))
         self._template = template if copyable else None
-        self._last: dict[int, DynamicCache] = {}
-        """Per lane, the working cache handed out last (one is live per lane), which a continuing request takes
-        over."""
         self._unwritten: list[tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = []
 
-    def new_cache(self, capacity: int, adopt: int = 0, lane: int = 0) -> tuple[DynamicCache, int]:
-        """A working cache sized for `capacity` tokens (prompt plus the reply's budget), in `lane`'s buffers.
-
-        Plain full-attention layers get the lane's pooled buffers, reused by the lane's next `new_cache`: one
-        working cache is live per lane. With `adopt`, the cache starts from that many tokens the lane's
-        previous working cache left in the buffers; returns the cache and the tokens it starts with (`adopt`
-        or 0).
-        """
-        last = self._last.pop(lane, None)
-        if last is not None and all(isinstance(layer, GrowableKVLayer) for layer in last.layers):
-            # The last working cache itself, cut back (to nothing without `adopt`): no layer objects or buffer
-            # views to rebuild.
-            if all(layer.truncate(adopt, capacity) for layer in last.layers):  # type: ignore[union-attr]
-                self._last[lane] = last
-                return last, adopt
-        cache = self._fresh(capacity, lane)
-        layers = [layer for layer in cache.layers if isinstance(layer, GrowableKVLayer)]
-        if adopt and layers and len(layers) == len(cache.layers):
-            if not all(layer.adopt(adopt) for layer in layers):
-                cache, adopt = self._fresh(capacity, lane), 0
-        else:
-            adopt = 0
-        self._last[lane] = cache
-        return cache, adopt
-
-    def _fresh(self, capacity: int, lane: int) -> DynamicCache:
-        pool = self._pools.setdefault(lane, BufferPool())
+    def working_cache(self, capacity: int, pool: BufferPool | None = None) -> DynamicCache:
+        """A fresh working cache sized for `capacity` tokens (prompt plus the reply's budget): its plain
+        full-attention layers write into `pool`'s buffers (a lane's, `Lanes.new_cache`), or without one into
+        buffers of their own; layers of other kinds are transformers' own."""
         if self._template is not None:
             cache = copy.copy(self._template)
             cache.layers = [GrowableKVLayer(capacity, pool, slot) for slot in range(len(self._template.layers))]
@@ -283,30 +257,6 @@ class ModelStateAdapter:
             offset += take
         if snapshot is not None:
             self.restore_snapshot(cache, snapshot, position)
-
-    def lane_row_bytes(self, lane: int = 0) -> int:
-        """Bytes one token row takes in `lane`'s working buffers (0 before it holds any)."""
-        pool = self._pools.get(lane)
-        return 0 if pool is None else pool.row_bytes
-
-    def reserve_lanes(self, lanes: int, rows: int, like: int = 0) -> None:
-        """Give lanes `[0, lanes)` working buffers of `rows` token rows, shaped as lane `like`'s (which holds
-        some), zeroed: the first requests in them do not page-fault fresh memory."""
-        model = self._pools[like]
-        for lane in range(lanes):
-            self._pools.setdefault(lane, BufferPool()).reserve(model, rows)
-            self._last.pop(lane, None)  # its views may be of buffers just replaced
-
-    def wipe_pool(self, keep: int, dirty: int, lane: int = 0, stop: Callable[[], bool] = lambda: False) -> int:
-        """Zero rows `[keep, dirty)` of `lane`'s working buffers: what they hold there is no longer hot state.
-        Returns the end of the rows still to zero (`keep` when done; more when `stop()` interrupted it)."""
-        pool = self._pools.get(lane)
-        left = keep if pool is None else pool.zero_rows(keep, dirty, stop)
-        last = self._last.get(lane)
-        if (not keep and left == keep and last is not None
-                and not all(isinstance(layer, GrowableKVLayer) for layer in last.layers)):
-            del self._last[lane]  # its sliding-window and recurrent tensors are not hot state either
-        return left
 
     def materialize(self, cache: DynamicCache) -> None:
         """Copy restored pieces held by reference into the working buffers (see `GrowableKVLayer.defer`)."""

@@ -2,91 +2,19 @@
 
 transformers' `DynamicLayer` grows by `torch.cat` on every forward, copying the whole history each decode
 step; on this CPU a fresh multi-megabyte allocation also page-faults. These layers write in place into
-buffers that a pool keeps between requests.
+buffers that a lane's pool keeps between requests (`cache/lanes.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
-FRESH_BUFFER_HOOKS: list[Callable[[int, int], object]] = []
-"""Called with (address, bytes) of each working buffer the pool allocates: the node excludes them from core
-dumps (`node.hygiene.exclude_from_dumps`); this package cannot import the node."""
-
-
-WIPE_BATCH_BYTES = 8 * 1024 * 1024
-"""Bytes of rows zeroed between two looks for a waiting request (`BufferPool.zero_rows`): a millisecond or two.
-An idle lane of an 8k-token request of the default model holds 256 MiB, which one wipe zeroes in tens of
-milliseconds that a request arriving meanwhile would otherwise wait on its time to first token."""
-
-
-ROWS_GRAIN = 512
-"""Buffers hold a multiple of this many token rows: a lane whose requests grow by a turn at a time (a chat
-re-sent with one more exchange) reallocates, and page-faults, once per grain, not on every request."""
-
-
-class BufferPool:
-    """Working buffers kept between requests, so each request does not page-fault fresh memory.
-
-    One pool per lane: one sequence at a time runs in a lane. A buffer handed out is valid until the next
-    `take` of the same slot, and still holds what the lane's last sequence wrote, which lets the next request
-    of the same scope continue from it (see `GrowableKVLayer.adopt`).
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[int, torch.Tensor] = {}
-
-    def take(self, slot: int, like: torch.Tensor, shape: tuple[int, ...], keep: int = 0) -> torch.Tensor:
-        """A tensor of `shape` (seq on dim 2) with `like`'s dtype and device, backed by slot's buffer.
-
-        The first `keep` tokens of the slot's previous contents survive a reallocation.
-        """
-        held = self._buffers.get(slot)
-        if (held is None or held.dtype != like.dtype or held.device != like.device
-                or held.shape[:2] + held.shape[3:] != shape[:2] + shape[3:] or held.shape[2] < shape[2]):
-            rows = -(-shape[2] // ROWS_GRAIN) * ROWS_GRAIN
-            fresh = like.new_empty((*shape[:2], rows, *shape[3:]))
-            for hook in FRESH_BUFFER_HOOKS:
-                hook(fresh.data_ptr(), fresh.numel() * fresh.element_size())
-            if keep and held is not None:
-                fresh[:, :, :keep].copy_(held[:, :, :keep])
-            if held is not None:
-                with torch.inference_mode():
-                    held.zero_()  # a request's state must not outlive the buffer it was in
-            held = self._buffers[slot] = fresh
-        return held[:, :, :shape[2]]
-
-    def held(self, slot: int) -> torch.Tensor | None:
-        return self._buffers.get(slot)
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes one token row takes across the pool's buffers."""
-        return sum(buffer.nbytes // buffer.shape[2] for buffer in self._buffers.values())
-
-    def reserve(self, like: BufferPool, rows: int) -> None:
-        """Hold buffers of at least `rows` token rows, shaped as `like`'s, and write zeros to them: their pages
-        are faulted in now, not on a request's time to first token."""
-        for slot, buffer in like._buffers.items():
-            self.take(slot, buffer, (*buffer.shape[:2], rows, *buffer.shape[3:]))
-        self.zero_rows(0, max(buffer.shape[2] for buffer in self._buffers.values()))
-
-    @torch.inference_mode()
-    def zero_rows(self, start: int, end: int, stop: Callable[[], bool] = lambda: False) -> int:
-        """Zero token rows `[start, end)` of every buffer, from the last row down in batches of about
-        `WIPE_BATCH_BYTES`, looking at `stop()` before each. Returns the end of the rows still to zero: `start`
-        once all are, less than `end` by the batches done when `stop()` interrupted."""
-        rows = max(1, WIPE_BATCH_BYTES // max(1, self.row_bytes))
-        while end > start and not stop():
-            first = max(start, end - rows)
-            for buffer in self._buffers.values():
-                buffer[:, :, first:end].zero_()
-            end = first
-        return max(start, end)
+if TYPE_CHECKING:
+    from cache.lanes import BufferPool  # which imports this module
 
 
 class GrowableKVLayer(DynamicLayer):

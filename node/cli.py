@@ -145,7 +145,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import torch
 
-    from cache.working_cache import FRESH_BUFFER_HOOKS
+    from cache.lanes import FRESH_BUFFER_HOOKS
     from node.hygiene import exclude_from_dumps
 
     if hygiene.dump_exclusion:
@@ -226,10 +226,10 @@ def _reserve_line(service: ModelService) -> str:
 
 
 def _lanes_line(service: ModelService, lanes: int) -> str:
-    rows, state = service.runner.lane_rows, service.loaded.state
-    if not rows or state is None:
+    rows, owner = service.runner.reuse.lane_rows, service.runner.reuse.lanes
+    if not rows or owner is None:
         return "Working memory: lanes are allocated when first used (limits.lane_bytes)\n"
-    held = lanes * rows * state.lane_row_bytes(0)
+    held = lanes * rows * owner.row_bytes(0)
     return f"Working memory: {lanes} lanes of {rows} token rows reserved, {held / 2**20:.0f} MiB (limits.lane_bytes)\n"
 
 

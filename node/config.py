@@ -60,7 +60,7 @@ class Limits:
     """Prompt tokens per prefill chunk: a request arriving while a long prompt prefills waits at most about
     one chunk per prefilling request before its own prompt's chunks run."""
     lane_bytes: int = 2 * GIB
-    """Working memory given to the `max_running` lanes at start, in all, per model (`Runner.reserve_lanes`):
+    """Working memory given to the `max_running` lanes at start, in all, per model (`ReuseManager.reserve_lanes`):
     written once then, so the first requests after a start do not fault fresh pages in on their time to first
     token. 0: lanes are allocated when first used. Lanes grow past it when a request needs more."""
     max_messages: int = 4096

@@ -27,7 +27,7 @@ from cache.summary import ChatForms, completion_prefix_form
 from node.config import Limits
 from node.engine.chat_template import BOUNDARY_MESSAGES, ChatTemplateError, RenderedChat, render_chat
 from node.engine.loader import LoadedModel
-from node.engine.runner import NO_FORMS, GenerationRequest, PrefixForms, Runner
+from node.engine.runner import NO_FORMS, GenerationRequest, ModelRunner, PrefixForms
 from node.engine.sampling import SamplingParams
 from node.engine.scheduler import Scheduler
 from node.errors import invalid_request
@@ -62,14 +62,14 @@ def chat_forms(messages: list[dict[str, str]], rendered: RenderedChat) -> Prefix
 @dataclass(frozen=True, slots=True)
 class ModelService:
     loaded: LoadedModel
-    runner: Runner
+    runner: ModelRunner
     scheduler: Scheduler
 
     @classmethod
     def create(cls, loaded: LoadedModel, prefix_cache: PrefixCache | None, limits: Limits,
                policy: SnapshotPolicy | None = None) -> ModelService:
-        runner = Runner(loaded, prefix_cache, prefill_chunk=limits.prefill_chunk, policy=policy)
-        runner.reserve_lanes(limits.max_running, limits.lane_bytes)
+        runner = ModelRunner(loaded, prefix_cache, prefill_chunk=limits.prefill_chunk, policy=policy)
+        runner.reuse.reserve_lanes(limits.max_running, limits.lane_bytes)
         return cls(loaded, runner, Scheduler(runner, limits.max_queue, limits.max_running))
 
     @property

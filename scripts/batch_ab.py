@@ -13,7 +13,7 @@ then the six ways alternate, each running one decode step of all B sequences int
 the script prints the median milliseconds per step, tokens per second, and the largest logit difference of
 the packed batched step and of the shared one against the native step, relative to the largest logit, and
 whether the screened tokens are the argmax of the native attention's logits.
-`Runner.decode` takes the native path at batch 1 only; this measures where that choice stands.
+`ModelRunner.decode` takes the native path at batch 1 only; this measures where that choice stands.
 
 The process first takes the node's hygiene (`apply_hygiene`: memory locked where allowed, new allocations written
 by glibc), so that the lanes' pages exist before a step writes its new rows into them, as in the node, whose lanes
@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from cache.lanes import Lanes
 from node.config import tenzro_home
 from node.engine.batch_forward import BatchedDecode, Shared, equal_rows
 from node.engine.cpu_kernels import load_kernels
@@ -51,6 +52,7 @@ def main() -> None:
     loaded = load_model(model_id, path)
     assert loaded.state is not None and loaded.forward.decoder is not None, loaded.forward.reason
     batched = BatchedDecode(loaded.model)
+    lanes = Lanes(loaded.state.working_cache)
     native_attention = BatchedDecode(loaded.model, load_kernels().kernels)
     vocab = int(loaded.model.config.vocab_size)
     print(f"forward: {loaded.forward.backend} ({loaded.forward.reason}); context {args.context}, 1 thread")
@@ -69,7 +71,7 @@ def main() -> None:
         for base in (0, batch, 2 * batch, 3 * batch, 4 * batch, 5 * batch):
             caches = []
             for row, prompt in enumerate(prompts):
-                cache, _ = loaded.state.new_cache(len(prompt) + 2 * args.runs + 2, lane=base + row)
+                cache, _ = lanes.new_cache(base + row, len(prompt) + 2 * args.runs + 2)
                 if args.shared:
                     loaded.forward.prefill(prompt[:args.shared], 0, cache)
                 loaded.forward.prefill(prompt[args.shared:-1], args.shared, cache)
@@ -121,7 +123,7 @@ def main() -> None:
               f"{batch / shared_s:>13.1f} {batch / fastest_s:>14.1f} {batch / screened_s:>14.1f} {worst:>9.1e} "
               f"{worst_shared:>12.1e} {str(agree):>18}")
         for lane in range(6 * batch):
-            loaded.state.wipe_pool(0, args.context + 3 * batch + 2 * args.runs + 2, lane)
+            lanes.wipe(lane, 0, args.context + 3 * batch + 2 * args.runs + 2)
 
 
 if __name__ == "__main__":

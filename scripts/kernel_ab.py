@@ -47,7 +47,7 @@ def main() -> None:
     with torch.inference_mode():
         for length in lengths:
             ids = torch.randint(10, 32000, (length,)).tolist()
-            cache, _ = state.new_cache(length + NEW_TOKENS)
+            cache = state.working_cache(length + NEW_TOKENS)
             loaded.model(input_ids=torch.tensor([ids[:-NEW_TOKENS]]), cache=cache, use_cache=True)
             times: list[list[float]] = [[], []]
             for run in range(2 * RUNS):

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from cache.lanes import Lanes
 from node.config import tenzro_home
 from node.engine.cpu_decoder import PIECE_TOKENS
 from node.engine.loader import DEFAULT_MODEL, LoadedModel, load_model, resolve_model_dir
@@ -65,11 +66,12 @@ def main() -> None:
     histories = [int(h) for h in args.histories.split(",")]
     capacity = max(histories) + args.chunk
     ids = torch.randint(100, vocab, (capacity,), generator=torch.Generator().manual_seed(0)).tolist()
+    lanes = Lanes(state.working_cache)
     print(f"forward: {loaded.forward.backend}; chunk {args.chunk} tokens, 1 thread")
     print(f"{'history':>7} {'transformers ms':>16} {f'native {PIECE_TOKENS} ms':>14} "
           f"{f'native {PIECE_TOKENS // 2} ms':>14} {'diff':>8}")
     for history in histories:
-        cache, _ = state.new_cache(capacity)
+        cache, _ = lanes.new_cache(0, capacity)
         for start in range(0, history, 256):
             loaded.forward.prefill(ids[start:min(history, start + 256)], start, cache)
         chunk = ids[history:history + args.chunk]
@@ -89,7 +91,7 @@ def main() -> None:
         medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         print(f"{history:>7} {medians['transformers']:>16.1f} {medians['native']:>14.1f} {medians['half']:>14.1f} "
               f"{diff:>8.1e}")
-        state.wipe_pool(0, capacity, 0)
+        lanes.wipe(0, 0, capacity)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from cache.lanes import Lanes
 from node.engine import mamba2
 from node.engine.batch_forward import BatchedDecode, batch_blocker
 from node.engine.loader import load_model
@@ -43,6 +44,7 @@ def main() -> None:
         loaded = load_model(args.arch, init_model(args.arch, Path(home) / args.arch, size=args.size))
     assert loaded.state is not None and batch_blocker(loaded.model) is None
     batched = BatchedDecode(loaded.model)
+    lanes = Lanes(loaded.state.working_cache)
     vocab = int(loaded.model.config.get_text_config(decoder=True).vocab_size)
     params = sum(p.numel() for p in loaded.model.parameters())
     print(f"{args.arch} ({args.size}, {params / 1e6:.0f} M parameters), context {args.context}, 1 thread")
@@ -59,7 +61,7 @@ def main() -> None:
         for base in range(0, len(ways) * batch, batch):
             caches = []
             for row, prompt in enumerate(prompts):
-                cache, _ = loaded.state.new_cache(len(prompt) + args.runs + 2, lane=base + row)
+                cache, _ = lanes.new_cache(base + row, len(prompt) + args.runs + 2)
                 for start in range(0, len(prompt) - 1, 256):
                     loaded.forward.prefill(prompt[start:min(start + 256, len(prompt) - 1)], start, cache)
                 caches.append(cache)
@@ -89,7 +91,7 @@ def main() -> None:
         print(f"{batch:>5} {ms[0]:>14.1f} {ms[1]:>11.1f} {ms[2]:>19.1f} {ms[3]:>16.1f} {batch / ms[1] * 1e3:>14.1f} "
               f"{batch / ms[3] * 1e3:>19.1f} {worst:>9.1e}")
         for lane in range(len(ways) * batch):
-            loaded.state.wipe_pool(0, args.context + 3 * batch + args.runs + 2, lane)
+            lanes.wipe(lane, 0, args.context + 3 * batch + args.runs + 2)
 
 
 if __name__ == "__main__":

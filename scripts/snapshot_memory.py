@@ -29,7 +29,7 @@ from cache.arena import Scope, SealCost, new_prefix_cache
 from cache.budget import CacheBudget
 from cache.snapshot_policy import SnapshotPolicy
 from node.engine.loader import load_model
-from node.engine.runner import GenerationRequest, Runner
+from node.engine.runner import GenerationRequest, ModelRunner
 from node.engine.sampling import SamplingParams
 from node.engine.synthetic import init_model
 
@@ -42,7 +42,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 def measure(loaded: Any, policy: SnapshotPolicy, length: int, seed: int) -> dict[str, Any]:
     cache = new_prefix_cache(CacheBudget(1 << 40, 1 << 40))
-    runner = Runner(loaded, cache, prefill_chunk=256, policy=policy, seal_cost=KEEP_ALL)
+    runner = ModelRunner(loaded, cache, prefill_chunk=256, policy=policy, seal_cost=KEEP_ALL)
 
     def send(scope: Scope, system: list[int], user: list[int]) -> tuple[int, float]:
         boundaries = (len(system), len(system) + len(user) - 5)  # the user message's start, the generation prompt's

@@ -21,7 +21,7 @@ import torch
 from cache.arena import Scope
 from node.engine.loader import load_model
 from node.engine.mamba2 import MIXER_SPECS
-from node.engine.runner import GenerationRequest, Runner
+from node.engine.runner import GenerationRequest, ModelRunner
 from node.engine.sampling import SamplingParams
 from node.engine.synthetic import init_model
 
@@ -46,7 +46,7 @@ def main() -> None:
     for chunk, piece in CASES:
         for mixer in mixers:
             mixer.chunk_size = chunk
-        runner = Runner(loaded, None, prefill_chunk=piece)
+        runner = ModelRunner(loaded, None, prefill_chunk=piece)
         seconds = []
         for _ in range(args.runs):
             started = time.perf_counter()

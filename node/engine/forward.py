@@ -4,10 +4,12 @@ Two backends, chosen once per model at load; the choice and its reason are logge
 `/metrics`):
 
     library      transformers' modules, attention through torch's `scaled_dot_product_attention` (or the model's
-                 own eager function where it needs one): any device, every family. Its parts are the chunk
-                 forward with the last layer for the last position only (`last_row.py`), the batched decode
-                 step (`batch_forward.BatchedDecode`), and the Mamba continuations installed at load
-                 (`mamba1.py`, `mamba2.py`).
+                 own eager function where it needs one): any device, every family. Its parts, all installed
+                 or decided here: the chunk forward with the last layer for the last position only
+                 (`last_row.py`); the batched decode step (`batch_forward.BatchedDecode`), which also runs the
+                 last tokens of ended requests without the head (`feed`); the Mamba continuations (`mamba1.py`,
+                 `mamba2.py`); and on a CPU the linear layers' transposed and oneDNN-packed weights
+                 (`cpu_layout.py`).
     native-cpu   the library backend, with the node's CPU kernels doing what they do better: short chunks and
                  single decode rows (`CpuDecoder.takes`), and the head screened for greedy rows of a batched
                  step. It needs the kernels (built at install, an AVX-512 CPU, not switched off by
@@ -17,13 +19,14 @@ Two backends, chosen once per model at load; the choice and its reason are logge
 The batched step's attention over each row's own history is the native decode attention wherever the kernels
 run on one thread in float32, whatever the backend (a model class without a CPU decoder still steps its rows
 with it); `Forward.decode_attention` names it. Both are decided here and nowhere else: the runner asks its
-`Forward` for a batched step (`batched_decode`) and calls `prefill`, `extend` and `step`.
+`Forward` for a batched step's scratch (`batched_decode`) and calls `prefill`, `extend`, `decode` and `feed`; whether
+several sequences' steps run as one forward (`batching`, `batches`) is the forward's to say.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +35,11 @@ from typing import Any, Literal
 import torch
 from transformers import DynamicCache
 
-from node.engine.batch_forward import BatchedDecode, Shared
+from node.engine import mamba1, mamba2
+from node.engine.batch_forward import BatchedDecode, Shared, batch_blocker, batchable
 from node.engine.cpu_decoder import CpuDecoder, unsupported_reason
 from node.engine.cpu_kernels import CpuKernels, KernelsFound, load_kernels
+from node.engine.cpu_layout import transpose_linear_weights
 from node.engine.last_row import LastRow
 from node.engine.prediction import Logits, Prediction
 from node.log_privacy import Safe
@@ -63,6 +68,12 @@ class Forward:
     """The kernels' forward for short chunks and decode rows; set exactly for `native-cpu`."""
     decode_kernels: CpuKernels | None = None
     """The kernels the batched step attends each row's own history with; None: the model's attention (SDPA)."""
+    batching: str | None = None
+    """Why decode steps of several sequences cannot run as one forward on this model (None: they can)."""
+
+    def batches(self, caches: Sequence[DynamicCache]) -> bool:
+        """Whether one step of the sequences holding `caches` runs as one batched forward."""
+        return len(caches) > 1 and self.batching is None and all(batchable(cache) for cache in caches)
 
     @property
     def decode_attention(self) -> str:
@@ -92,6 +103,26 @@ class Forward:
         else:
             self.prefill(ids, start, cache)
 
+    def decode(self, batched: BatchedDecode, tokens: Sequence[int], positions: Sequence[int],
+               caches: Sequence[DynamicCache], shared: Callable[[], Sequence[Shared]], greedy: Sequence[bool]
+               ) -> list[Prediction]:
+        """One decode step of each sequence (`tokens[b]` at `positions[b]` into `caches[b]`): one batched forward
+        where they `batches` (`shared()` gives its groups of shared rows), else one forward each."""
+        if self.batches(caches):
+            return self.step(batched, tokens, positions, caches, shared(), greedy)
+        return [self.prefill([token], position, cache) for token, position, cache in zip(tokens, positions, caches,
+                                                                                          strict=True)]
+
+    def feed(self, batched: BatchedDecode, tokens: Sequence[int], positions: Sequence[int],
+             caches: Sequence[DynamicCache], shared: Callable[[], Sequence[Shared]]) -> bool:
+        """Run each sequence's last sampled token into its cache, for its state only (no logits), as one batched
+        forward without the head; False, nothing run, where they do not `batches` (each is then `extend`ed
+        alone when it is stored)."""
+        if not self.batches(caches):
+            return False
+        batched.step(tokens, positions, caches, self.device, shared(), logits=False)
+        return True
+
     def step(self, batched: BatchedDecode, tokens: Sequence[int], positions: Sequence[int],
              caches: Sequence[DynamicCache], shared: Sequence[Shared], greedy: Sequence[bool]) -> list[Prediction]:
         """One batched decode step (`BatchedDecode.step`) and each row's prediction. Where the CPU decoder
@@ -110,7 +141,12 @@ class Forward:
 
 
 def choose_forward(model: Any, device: torch.device, dtype: torch.dtype, model_id: str) -> Forward:
-    """The backend for a loaded model, logged once with its reason."""
+    """The backend for a loaded model, logged once with its reason; the library backend's parts are installed
+    in `model` first (the native backend builds on them)."""
+    mamba1.install(model)  # multi-token continuation of Mamba-1 scans from the cached state
+    mamba2.install(model)  # short continuations of Mamba-2 mixers skip the padded chunk scan
+    if device.type == "cpu":
+        transpose_linear_weights(model)
     last_row = LastRow.install(model)
     if last_row is not None and not last_row_agrees(model, last_row):
         log.warning("model %s: its last layer does not reduce to the last position; it runs in full", Safe(model_id))
@@ -121,7 +157,7 @@ def choose_forward(model: Any, device: torch.device, dtype: torch.dtype, model_i
     decoder, reason = _cpu_decoder(model, found) if device.type == "cpu" else (
         None, f"the model runs on {device.type}")
     forward = Forward("native-cpu" if decoder is not None else "library", reason, model, device, last_row=last_row,
-                      decoder=decoder, decode_kernels=decode_kernels)
+                      decoder=decoder, decode_kernels=decode_kernels, batching=batch_blocker(model))
     log.info("model %s: %s forward (%s); decode attention %s", Safe(model_id), Safe(forward.backend), Safe(reason),
              Safe(forward.decode_attention))
     return forward

@@ -7,7 +7,8 @@ here is between requests of one scope.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections import abc
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from cache.working_cache import GrowableKVLayer
 from node.engine.batch_forward import Shared, equal_rows
 
 if TYPE_CHECKING:
-    from node.engine.sequence import GenerationRequest, Running
+    from node.engine.sequence import GenerationRequest, Sequence
 
 FOLLOW_MIN = 64
 """Fewest prompt tokens a request copies from a running request of its caller rather than computes."""
@@ -30,7 +31,7 @@ SHARED_ROWS_MIN = 256
 extra attention call and merge cost."""
 
 
-def best_donor(request: GenerationRequest, live: Iterable[Running]) -> tuple[Running, int] | None:
+def best_donor(request: GenerationRequest, live: Iterable[Sequence]) -> tuple[Sequence, int] | None:
     """The running request of `request`'s scope whose prompt agrees with `request`'s the longest (at least
     FOLLOW_MIN tokens, at most all but the last), with how far; only requests that keep their state give."""
     prompt, best = tuple(request.prompt), None
@@ -44,7 +45,7 @@ def best_donor(request: GenerationRequest, live: Iterable[Running]) -> tuple[Run
     return None if best is None else (best, reach - 1)
 
 
-def copy_rows(donor: Running, cache: DynamicCache, start: int, end: int, specs: Sequence[LayerStateSpec]) -> None:
+def copy_rows(donor: Sequence, cache: DynamicCache, start: int, end: int, specs: abc.Sequence[LayerStateSpec]) -> None:
     """Append rows `[start, end)` of `donor`'s working cache (same scope, same tokens there) to `cache`, which
     holds `start` rows, in every layer that keeps its tokens' keys and values (`specs`); other layers' state at a
     position is a snapshot's (`held_state`)."""
@@ -59,7 +60,7 @@ def copy_rows(donor: Running, cache: DynamicCache, start: int, end: int, specs: 
         mine.update(theirs.keys[:, :, start:end], theirs.values[:, :, start:end])
 
 
-def held_state(donor: Running, after: int, common: int, adapter: ModelStateAdapter) -> tuple[int, Snapshot | None]:
+def held_state(donor: Sequence, after: int, common: int, adapter: ModelStateAdapter) -> tuple[int, Snapshot | None]:
     """For a model that resumes only where it holds a snapshot: the deepest position in `(after, common]` where
     `donor` holds the state of every layer that is not rows, and a copy of that state (None: no such position,
     `after` is returned). The donor's live state while it prefills up to `common`, else the snapshot it took
@@ -73,7 +74,7 @@ def held_state(donor: Running, after: int, common: int, adapter: ModelStateAdapt
     return deepest, copy_snapshot(donor.snapshots[deepest])
 
 
-def copied_snapshots(donor: Running, seq: Running, start: int, end: int, adapter: ModelStateAdapter
+def copied_snapshots(donor: Sequence, seq: Sequence, start: int, end: int, adapter: ModelStateAdapter
                      ) -> dict[int, Snapshot]:
     """`seq`'s own snapshots at the positions in `(start, end]` it wants them, once it holds `donor`'s state up to
     `end`: copies of the donor's, and its own state at `end`; so that what it stores resumes there too."""
@@ -104,7 +105,7 @@ class Kinship:
     def __init__(self) -> None:
         self._of: dict[int, Kin] = {}
 
-    def groups(self, seqs: Sequence[Running], live: Mapping[int, Running]) -> list[Shared]:
+    def groups(self, seqs: list[Sequence], live: Mapping[int, Sequence]) -> list[Shared]:
         """The groups of `seqs` (rows of a batched step, `live` by lane) that hold the same first rows, each with
         the rows all its members in the step share."""
         row_of = {seq.lane: row for row, seq in enumerate(seqs)}
@@ -123,7 +124,7 @@ class Kinship:
         if kin is not None:
             del kin.rows[lane]
 
-    def _join(self, seq: Running, live: Mapping[int, Running]) -> None:
+    def _join(self, seq: Sequence, live: Mapping[int, Sequence]) -> None:
         """Put a sequence that starts decoding into the group of its scope whose first rows it holds too (at
         least SHARED_ROWS_MIN, compared value for value with the group's holder), else into a new group. Only
         sequences of one scope are ever compared."""

@@ -12,9 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cache.adapters import ModelStateAdapter
 from cache.state_spec import UnsupportedLayerKindError, model_state_specs
-from node.engine import mamba1, mamba2
 from node.engine.chat_template import max_token_bytes, message_tokens
-from node.engine.cpu_layout import transpose_linear_weights
 from node.engine.forward import Forward, choose_forward
 from node.engine.reuse_check import check_reuse
 from node.engine.synthetic import ARCHITECTURES, ensure_default_model
@@ -99,10 +97,6 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         model = model.to(device=target).eval()  # type: ignore[call-arg]
-        mamba1.install(model)  # multi-token continuation of Mamba-1 scans from the cached state
-        mamba2.install(model)  # short continuations of Mamba-2 mixers skip the padded chunk scan
-        if target.type == "cpu":
-            transpose_linear_weights(model)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load the model in {path}: {exc}") from exc
     forward = choose_forward(model, target, torch_dtype, model_id)

@@ -2,18 +2,19 @@
 
 vLLM's KV cache manager in spirit. The runner runs sequences; this manager decides what of them outlives them:
 `begin` restores the deepest stored prefix of a request's prompt into its lane (copying the rows a running request
-of the same caller holds rather than opening them, where `kinship.py` finds one; `copy_from_donor` goes on copying
+of the same caller holds rather than opening them, where `kinship.py` finds one; `follow` goes on copying
 while that request computes), `end` stores what the request computed (with snapshots where the snapshot policy
 asks), `settle` seals cold state and wipes what idle lanes still hold, and `drop_caller` and `expire` destroy a
-caller's state. It also keeps the reply book and the lanes' buffers, which outlive requests: reserved at start,
-and holding the last stored request's rows (the hot working cache), so that the next request of that caller
-starts there without a copy. Plaintext of one caller is never handed to another: every copy between running
-requests, and every adoption of a lane's rows, is within one scope.
+caller's state. It also keeps the reply book and the lanes (`cache/lanes.py`), which outlive requests, and tells
+them which rows of a lane are the last stored request's (the hot working cache, which the next request of that
+caller starts from without a copy) and which may be wiped. Plaintext of one caller is never handed to another:
+every copy between running requests, and every adoption of a lane's rows, is within one scope.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections import abc
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,22 +23,22 @@ from transformers import DynamicCache
 
 from cache.adapters import Snapshot
 from cache.arena import Borrowed, Scope, SealCost, SealedEntryError, StateArena
+from cache.lanes import Lanes
 from cache.opening import Opening
 from cache.prefix_cache import PrefixCache, StoreResult, belongs_to
 from cache.radix_tree import common_prefix_length
 from cache.replies import ReplyBook
 from cache.snapshot_policy import SnapshotPolicy
 from cache.token_digest import DigestRun
-from cache.working_cache import ROWS_GRAIN
 from node.engine.kinship import FOLLOW_MIN, best_donor, copied_snapshots, copy_rows, held_state
 from node.engine.loader import LoadedModel
 from node.engine.seal_cost import measure_seal_cost
-from node.engine.sequence import GenerationRequest, Running
+from node.engine.sequence import GenerationRequest, Sequence
 
 
 @dataclass(frozen=True, slots=True)
 class Restored:
-    """What `begin` hands a request starting in a lane; the runner's `Running` is built from it."""
+    """What `begin` hands a request starting in a lane; the runner's `Sequence` is built from it."""
 
     cache: DynamicCache
     """The lane's working cache, holding the prompt's state up to `length`."""
@@ -50,9 +51,9 @@ class Restored:
     """State opened outside the lane's buffers; zeroed when the request leaves its lane (`vacate`)."""
     opening: Opening | None
     """Sealed rows still opening: the first prefill chunk reads them as they open (`finish_opening`)."""
-    donor: tuple[Running, int] | None
+    donor: tuple[Sequence, int] | None
     """A running request of the caller that computes at least FOLLOW_MIN more of this prompt than was restored,
-    and how far they agree: `Runner.follow` copies its rows rather than computing them."""
+    and how far they agree: `ReuseManager.follow` copies its rows rather than computing them."""
     wanted: list[int]
     """Prompt positions to snapshot the state at (the snapshot policy's), so that what is stored resumes there."""
 
@@ -71,11 +72,13 @@ class ReuseManager:
     """Restores, stores, seals and wipes the state of one model's requests; the runner calls it on the engine's
     worker thread, which alone touches the prefix index, the arena and the lanes' buffers."""
 
-    def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache | None, live: Mapping[int, Running],
+    def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache | None, live: Mapping[int, Sequence],
                  policy: SnapshotPolicy | None = None, seal_cost: SealCost | None = None) -> None:
         """`live`: the runner's running sequences by lane (read here, never changed). `seal_cost` None: measured
         now when stored state is sealed (`seal_cost.py`)."""
         self.loaded = loaded
+        self.lanes = Lanes(loaded.state.working_cache) if loaded.state is not None else None
+        """The working memory of the running sequences, one lane each; None without a state adapter."""
         self.policy = policy or SnapshotPolicy()
         self.prefix_cache = prefix_cache if loaded.state is not None else None
         self.arena: StateArena | None = None
@@ -83,7 +86,8 @@ class ReuseManager:
             assert isinstance(self.prefix_cache.arena, StateArena)
             self.arena = self.prefix_cache.arena
             if seal_cost is None and self.arena.sealer is not None:
-                seal_cost = measure_seal_cost(loaded, self.arena.sealer)
+                assert self.lanes is not None
+                seal_cost = measure_seal_cost(loaded, self.arena.sealer, self.lanes)
             self.arena.register_model(loaded.model_id, loaded.state, seal_cost)
             self.prefix_cache.register_model(loaded.model_id, loaded.state.needs_snapshots)
         self.seal_cost = seal_cost
@@ -97,34 +101,24 @@ class ReuseManager:
         too, so that a conversation's prompts, and so its outputs, are the same with reuse on and off."""
         self._live = live
         self._hot: HotLane | None = None
-        self._dirty: dict[int, int] = {}
-        """Per lane, rows of its working buffers written since they were last wiped."""
-        self.lane_rows = 0
-        """Token rows each lane's buffers were given at start (`reserve_lanes`)."""
 
     def reserve_lanes(self, lanes: int, budget: int) -> int:
         """At start: give `lanes` lanes working buffers of as many token rows as `budget` bytes allow in all (whole
-        grains of `ROWS_GRAIN`, at most the model's context), written with zeros. The buffers outlive requests,
-        as the hot working cache in them does; a lane's first request would otherwise fault their pages in on its
-        time to first token (BATCHING.md, "Memory: lanes"). Returns the rows each lane holds (0: nothing
-        reserved; lanes then allocate when first used). Lanes still grow past it when a request needs more."""
-        state = self.loaded.state
-        if state is None or lanes <= 0 or budget <= 0:
+        grains of `ROWS_GRAIN`, at most the model's context), written with zeros (`Lanes.reserve`). The buffers
+        outlive requests, as the hot working cache in them does; a lane's first request would otherwise fault
+        their pages in on its time to first token (BATCHING.md, "Memory: lanes"). Returns the rows each lane
+        holds (0: nothing reserved; lanes then allocate when first used). Lanes still grow past it when a
+        request needs more."""
+        if self.lanes is None:
             return 0
-        if not state.lane_row_bytes(0):
-            # Learn the buffers' shapes (heads, head dim, dtype per layer) from one token run in lane 0.
-            with torch.inference_mode():
-                cache, _ = state.new_cache(1, lane=0)
-                self.loaded.forward.prefill([0], 0, cache)
-                state.wipe_pool(0, 1, lane=0)
-        row_bytes = state.lane_row_bytes(0)
-        if not row_bytes:
-            return 0  # no layer keeps K/V rows in lane buffers (recurrent models)
-        rows = min(budget // (lanes * row_bytes), self.loaded.context_length) // ROWS_GRAIN * ROWS_GRAIN
-        if rows:
-            state.reserve_lanes(lanes, rows)
-        self.lane_rows = rows
-        return rows
+        forward = self.loaded.forward
+        return self.lanes.reserve(lanes, budget, self.loaded.context_length,
+                                  lambda cache: forward.prefill([0], 0, cache))
+
+    @property
+    def lane_rows(self) -> int:
+        """Token rows each lane's buffers were given at start (`reserve_lanes`)."""
+        return 0 if self.lanes is None else self.lanes.rows
 
     # -- what anyone may read -------------------------------------------------------------------------------
 
@@ -191,7 +185,7 @@ class ReuseManager:
     def begin(self, request: GenerationRequest, lane: int) -> Restored:
         """Restore the deepest resume point of `request`'s prompt into `lane` (free), and plan its snapshots.
 
-        Takes the request and its lane rather than its `Running`, which holds the working cache made here."""
+        Takes the request and its lane rather than its `Sequence`, which holds the working cache made here."""
         prompt = request.prompt
         donor = self._donor(request)
         cache, length, matched, scratch, opening = self._restore(request.scope, prompt,
@@ -201,7 +195,7 @@ class ReuseManager:
             donor = None  # it computes too little of this prompt beyond what was restored to be followed
         return Restored(cache, length, matched, scratch, opening, donor, wanted)
 
-    def _donor(self, request: GenerationRequest) -> tuple[Running, int] | None:
+    def _donor(self, request: GenerationRequest) -> tuple[Sequence, int] | None:
         """`kinship.best_donor` of the running requests, where state can be copied between requests (not with
         reuse off or retention none)."""
         if self.prefix_cache is None or not request.retain:
@@ -214,7 +208,7 @@ class ReuseManager:
         return self.policy.prompt_positions(start, len(prompt), boundaries, branch=matched if matched > start else 0)
 
     def _restore(self, scope: Scope, prompt: list[int], capacity: int, lane: int,
-                 donor: tuple[Running, int] | None = None
+                 donor: tuple[Sequence, int] | None = None
                  ) -> tuple[DynamicCache, int, int, list[torch.Tensor], Opening | None]:
         """A working cache in `lane` resumed at the deepest resume point; (cache, its length, tokens matched,
         state opened outside the lane's buffers, sealed rows still opening). Rows that `donor` (a running
@@ -226,8 +220,10 @@ class ReuseManager:
             self._hot = None  # the lane's buffers are about to be overwritten
         if state is None:
             return DynamicCache(config=self.loaded.model.config), 0, 0, [], None
+        lanes = self.lanes
+        assert lanes is not None
         if self.prefix_cache is None:  # reuse off: still the working cache, which the CPU decoder writes in place
-            return state.new_cache(capacity, lane=lane)[0], 0, 0, [], None
+            return lanes.new_cache(lane, capacity)[0], 0, 0, [], None
         assert self.arena is not None
         self.arena.own_borrowed()  # no-op after `settle`; the new working cache overwrites the buffers
         # At least one prompt token is always computed: its logits choose the first output token.
@@ -239,7 +235,7 @@ class ReuseManager:
                 # The same scope's last request left its state in this lane's buffers: the part of the lease
                 # it covers needs no copy.
                 warm = min(common_prefix_length(hot.run, run), lease.length) if hot and hot.scope == scope else 0
-                cache, adopted = state.new_cache(capacity, adopt=warm, lane=lane)
+                cache, adopted = lanes.new_cache(lane, capacity, adopt=warm)
                 held = min(donor[1], donor[0].position, lease.length) if donor is not None else 0
                 if donor is not None and held > adopted:
                     # Another request of this caller holds these rows in plaintext: a copy, not an opening.
@@ -259,41 +255,53 @@ class ReuseManager:
                 tensor.zero_()
             self.prefix_cache.discard(scope, failed)
             hot = None
-        return state.new_cache(capacity, lane=lane)[0], 0, 0, [], None
+        return lanes.new_cache(lane, capacity)[0], 0, 0, [], None
 
     def _opened(self, lane: int) -> list[torch.Tensor]:
         """Count the rows an opening wrote in `lane`'s buffers as written; the state it opened elsewhere."""
-        assert self.arena is not None
-        self._dirty[lane] = max(self._dirty.get(lane, 0), self.arena.written)
+        assert self.arena is not None and self.lanes is not None
+        self.lanes.mark_written(lane, self.arena.written)
         self.arena.written = 0
         return self.arena.take_scratch()
 
-    def copy_from_donor(self, seq: Running, donor: Running, common: int) -> bool:
-        """Copy into `seq` the state `donor` (running, of its scope, agreeing with its prompt for `common` tokens)
-        has computed of their common prompt since `seq.position`: rows up to the donor's position, or for a model
-        that resumes only at snapshots, up to where the donor holds one, or its live state. Whether it copied
-        (`seq.position` and `restored` then moved on, with the snapshots `seq` wants there)."""
+    def follow(self, seq: Sequence) -> bool:
+        """Copy into `seq` the state its donor (a running request of its scope, agreeing with its prompt for some
+        tokens, `Restored.donor`) has computed of their common prompt since `seq.position`: rows up to the donor's
+        position, or for a model that resumes only at snapshots, up to where the donor holds one, or its live
+        state; `seq.position`, `restored`, `stops` and `snapshots` move on with it. True while the donor is still
+        computing more of it (`seq` then waits rather than computes them), False when `seq` goes on alone."""
+        if seq.donor is None:
+            return False
+        donor, common = seq.donor
+        if self._live.get(donor.lane) is not donor:  # it ended
+            seq.donor = None
+            return False
+        if donor.opening is not None:
+            return True  # it restarted, and its rows are still opening
         end, snapshot, state = min(common, donor.position), None, self.loaded.state
         assert state is not None
         if state.needs_snapshots:
             end, snapshot = held_state(donor, seq.position, common, state)
-        if end <= seq.position:
+        if end > seq.position:
+            start = seq.position
+            seq.position = seq.restored = self._copy_rows(donor, seq.cache, start, end, seq.lane)
+            if snapshot is not None:
+                state.restore_snapshot(seq.cache, snapshot, end)
+            seq.snapshots.update(copied_snapshots(donor, seq, start, end, state))
+            seq.stops = [stop for stop in seq.stops if stop > seq.position]
+        if seq.position >= common or not donor.prefilling:
+            seq.donor = None
             return False
-        start = seq.position
-        seq.position = seq.restored = self._copy_rows(donor, seq.cache, start, end, seq.lane)
-        if snapshot is not None:
-            state.restore_snapshot(seq.cache, snapshot, end)
-        seq.snapshots.update(copied_snapshots(donor, seq, start, end, state))
         return True
 
-    def _copy_rows(self, donor: Running, cache: DynamicCache, start: int, end: int, lane: int) -> int:
+    def _copy_rows(self, donor: Sequence, cache: DynamicCache, start: int, end: int, lane: int) -> int:
         """`kinship.copy_rows` into `lane`, whose written rows it counts; returns `end`."""
-        assert self.loaded.state is not None
+        assert self.loaded.state is not None and self.lanes is not None
         copy_rows(donor, cache, start, end, self.loaded.state.specs)
-        self._dirty[lane] = max(self._dirty.get(lane, 0), end)
+        self.lanes.mark_written(lane, end)
         return end
 
-    def finish_opening(self, seq: Running) -> bool:
+    def finish_opening(self, seq: Sequence) -> bool:
         """Finish the opening of `seq`'s sealed rows (its first chunk has read them as they opened) and release
         their lease. False when an entry failed to open: it is dropped and counted, and the state opened for
         `seq` is zeroed; the request then has no restored state to stand on."""
@@ -315,16 +323,16 @@ class ReuseManager:
 
     # -- a request ends -------------------------------------------------------------------------------------
 
-    def vacate(self, seq: Running) -> None:
+    def vacate(self, seq: Sequence) -> None:
         """`seq` has left its lane: the state opened for it elsewhere is zeroed, the rows it wrote are counted
         for `settle` to wipe."""
         for tensor in seq.scratch:
             tensor.zero_()
         seq.scratch.clear()
-        written = seq.position + len(seq.output)
-        self._dirty[seq.lane] = max(self._dirty.get(seq.lane, 0), written)
+        if self.lanes is not None:
+            self.lanes.mark_written(seq.lane, seq.position + len(seq.output))
 
-    def remember_reply(self, seq: Running) -> None:
+    def remember_reply(self, seq: Sequence) -> None:
         """Remember `seq`'s reply for its scope when it keeps its state and its text is exactly its ids decoded
         (with no stop string cut from it, no special token inside it): a conversation that sends the text back
         is then given the ids. Done with reuse off too (`replies`)."""
@@ -336,13 +344,13 @@ class ReuseManager:
         if ids and self.loaded.tokenizer.decode(ids, skip_special_tokens=False) == seq.detok.text:
             self.replies.record(seq.request.scope, seq.detok.text, ids)
 
-    def awaits_last_token(self, seq: Running) -> bool:
+    def awaits_last_token(self, seq: Sequence) -> bool:
         """Whether `end` stores `seq`'s state with its last sampled token, which has not run yet: the runner runs
         it first (`Runner.feed_last` for several at once, else `Runner.finish`)."""
         return (seq.request.retain and self.keeps_state and not seq.discard and not seq.prefilling
                 and bool(seq.output) and not seq.fed and self.prefix_cache is not None)
 
-    def end(self, seq: Running) -> StoreResult | None:
+    def end(self, seq: Sequence) -> StoreResult | None:
         """Store the state of `seq`, ended and out of its lane, for its caller, with its remembered prefix forms;
         None when nothing of it is kept (retention none, its caller removed while it ran, reuse off, or a model
         whose state is not worth keeping). A request cancelled while prefilling keeps what it computed."""
@@ -364,12 +372,12 @@ class ReuseManager:
             self.prefix_cache.record_forms(request.scope, held, forms.at + reply_end)
         return stored
 
-    def snapshot_end(self, seq: Running, end: int) -> None:
+    def snapshot_end(self, seq: Sequence, end: int) -> None:
         """The end of everything `seq` stores (its reply's, or a bare prompt's) is a resume point."""
         if self._takes_snapshots and self.policy.reply_end and self.loaded.state is not None:
             seq.snapshots[end] = self.loaded.state.snapshot(seq.cache)
 
-    def store(self, lane: int, scope: Scope, tokens: Sequence[int] | DigestRun, cache: DynamicCache,
+    def store(self, lane: int, scope: Scope, tokens: abc.Sequence[int] | DigestRun, cache: DynamicCache,
               snapshots: dict[int, Snapshot]) -> StoreResult:
         """Store the state `cache` holds of `tokens` for `scope`, borrowing `lane`'s buffers until `settle`; the
         lane becomes the scope's hot working cache."""
@@ -394,12 +402,9 @@ class ReuseManager:
         lane borrow its rows until they are sealed or copied, which `seal_cold` does to every one of them."""
         if self.prefix_cache is not None:
             self.prefix_cache.seal_cold(stop)
-        state = self.loaded.state
-        if state is not None:
-            for lane, dirty in list(self._dirty.items()):
-                if lane not in self._live:
-                    keep = len(self._hot.run) if self._hot is not None and self._hot.lane == lane else 0
-                    self._dirty[lane] = max(keep, state.wipe_pool(keep, dirty, lane, waiting or stop))
+        if self.lanes is not None:
+            hot = {self._hot.lane: len(self._hot.run)} if self._hot is not None else {}
+            self.lanes.wipe_idle(self._live, hot, waiting or stop)
         if self.arena is not None:
             self.arena.wipe_scratch()
 

@@ -1,18 +1,19 @@
-"""The node's own prefill/decode loop on the transformers cache API: the sequences running in lanes.
+"""The model runner: executes each step the scheduler plans, on the model's one `Forward`.
 
-Each request is a `Running` sequence in a lane: the reuse manager restores its prefix state (`reuse.py`), the
+Each request is a `Sequence` in a lane: the reuse manager restores its prefix state (`reuse.py`), the
 runner prefills the rest of its prompt in chunks, decodes, feeds the last token so that the reply's state is
-complete, and hands it back to the manager to store; what outlives a request is the manager's. Per scheduler
-step, prefill chunks of some sequences (`prefill`) and one decode step of every decoding one (`decode`, batched
-where the model allows: `batch_forward.py`, BATCHING.md). Within one scope, never across scopes, a request copies
-rows another running request computes (`follow`), and decoding sequences holding the same first rows attend them
-once per step (`kinship.py`).
+complete, and hands it back to the manager to store; what outlives a request is the manager's. A step
+(`StepPlan`, `run`) has four parts, in order: `follow` (within one scope, never across scopes, a request copies
+rows another running request computes), `prefill` (chunks of some sequences' prompts), `decode` (one step of
+every decoding sequence, one forward where the model allows: `Forward.decode`, BATCHING.md; decoding sequences
+holding the same first rows attend them once, `kinship.py`) and `retire` (ended sequences leave their lanes and
+their state is stored). Which forward runs a chunk or a step is the `Forward`'s choice, never the runner's.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,32 +21,39 @@ import torch
 from cache.arena import Scope, SealCost
 from cache.prefix_cache import PrefixCache
 from cache.snapshot_policy import SnapshotPolicy
-from node.engine.batch_forward import batch_blocker, batchable
 from node.engine.detokenizer import Detokenizer
 from node.engine.kinship import Kinship
 from node.engine.loader import LoadedModel
 from node.engine.reuse import ReuseManager
-from node.engine.sampling import Sampler, SamplingParams
-from node.engine.sequence import NO_FORMS, GenerationRequest, GenerationResult, PrefixForms, Running
+from node.engine.sampling import Sampler
+from node.engine.sequence import (
+    NO_FORMS,
+    GenerationRequest,
+    GenerationResult,
+    PrefixForms,
+    Sequence,
+    StepOutcome,
+    StepPlan,
+)
 
-__all__ = ["NO_FORMS", "GenerationRequest", "GenerationResult", "PrefixForms", "Runner", "Running"]
+__all__ = ["NO_FORMS", "GenerationRequest", "GenerationResult", "ModelRunner", "PrefixForms", "Sequence", "StepOutcome",
+           "StepPlan"]
 
 
-class Runner:
-    """Runs sequences in lanes, one model's, on the engine's worker thread; state between requests is `reuse`'s."""
+class ModelRunner:
+    """Runs one model's sequences in lanes, a planned step at a time, on the engine's worker thread; the state
+    between requests is `reuse`'s."""
 
     def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache | None, prefill_chunk: int = 1024,
                  policy: SnapshotPolicy | None = None, seal_cost: SealCost | None = None) -> None:
         """`prefix_cache` None: reuse off. `policy`, `seal_cost`: the reuse manager's (`reuse.py`)."""
         self.loaded = loaded
-        self._live: dict[int, Running] = {}
-        """Running sequences by lane."""
+        self._live: dict[int, Sequence] = {}  # the running sequences by lane
         self.reuse = ReuseManager(loaded, prefix_cache, self._live, policy, seal_cost)
         self.prefill_chunk = prefill_chunk
         self._kinship = Kinship()
+        self.forward = loaded.forward
         self._batched = loaded.forward.batched_decode()
-        self.batching = batch_blocker(loaded.model)
-        """Why decode steps of several sequences cannot run as one forward on this model (None: they do)."""
         self.decode_steps = 0
         self.batched_steps = 0
         """Decode steps that ran several sequences in one forward."""
@@ -53,22 +61,13 @@ class Runner:
         self.fed_together = 0
         """Ended requests whose last token ran in one forward with others' (`feed_last`)."""
 
-    def reserve_lanes(self, lanes: int, budget: int) -> int:
-        """At start: `ReuseManager.reserve_lanes`; returns the token rows each lane holds."""
-        return self.reuse.reserve_lanes(lanes, budget)
-
-    @property
-    def lane_rows(self) -> int:
-        """Token rows each lane's buffers were given at start (`reserve_lanes`)."""
-        return self.reuse.lane_rows
-
     def engine_config(self) -> dict[str, Any]:
         """For anyone (`GET /v1/node`): whether decode steps are batched (and why not) and how; fixed at start,
         so that it says nothing of other callers' traffic."""
-        return {"batched_decode": self.batching is None,
-                "reason": self.batching or "every layer is attention or recurrent",
-                "prefill_chunk": self.prefill_chunk, "decode_attention": self.loaded.forward.decode_attention,
-                "reserved_lane_rows": self.lane_rows}
+        return {"batched_decode": self.forward.batching is None,
+                "reason": self.forward.batching or "every layer is attention or recurrent",
+                "prefill_chunk": self.prefill_chunk, "decode_attention": self.forward.decode_attention,
+                "reserved_lane_rows": self.reuse.lane_rows}
 
     def engine_state(self) -> dict[str, Any]:
         """For operators (`GET /v1/node/state`): `engine_config` and how decode steps ran so far, which counts
@@ -76,21 +75,6 @@ class Runner:
         return {**self.engine_config(), "decode_steps": self.decode_steps, "batched_steps": self.batched_steps,
                 "largest_batch": self.largest_batch, "shared_rows": self._batched.shared_rows,
                 "fed_together": self.fed_together}
-
-    @torch.inference_mode()
-    def prompt_logits(self, scope: Scope, prompt: list[int]) -> tuple[torch.Tensor, int]:
-        """(Last-position logits `[vocab]`, tokens restored) of `prompt` with reuse as configured, then store its
-        state; for tests."""
-        seq = self.start(GenerationRequest(scope, prompt, SamplingParams(max_tokens=1)), lambda _: None,
-                         lambda: False, lane=0, sample=False)
-        while seq.prefilling:
-            self.prefill(seq)
-        assert seq.prediction is not None
-        logits = seq.prediction.logits()
-        self.reuse.snapshot_end(seq, len(prompt))
-        self.release(seq)
-        self.reuse.store(seq.lane, scope, prompt, seq.cache, seq.snapshots)
-        return logits, seq.restored
 
     def pick_lane(self, scope: Scope, lanes: int) -> int:
         """`ReuseManager.pick_lane`: the lane whose buffers may still hold `scope`'s last state."""
@@ -100,7 +84,7 @@ class Runner:
         """Between steps and after replies: `ReuseManager.settle` (seal cold state, wipe idle lanes), then zero
         the forwards' scratch, which held some request's plaintext."""
         self.reuse.settle(stop, waiting)
-        self.loaded.forward.wipe_scratch()
+        self.forward.wipe_scratch()
         self._batched.wipe_scratch()
 
     def drop_caller(self, caller: str) -> None:
@@ -113,11 +97,59 @@ class Runner:
         if self.reuse.expire(ttl_of):
             self.settle()
 
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepOutcome:
+        """Execute one step as `plan` orders it: followers copy their donors' rows, the chunks run, the decoding
+        sequences step; then every planned sequence that ended leaves (its last token fed, its state stored, its
+        result made), in the order the sequences started. A sequence whose work raises leaves at once with its
+        error, nothing of it stored (a failed decode step fails each of its rows); the others go on."""
+        failed: dict[Sequence, Exception] = {}
+
+        def fail(seqs: list[Sequence], exc: Exception) -> None:
+            for seq in seqs:
+                self.release(seq)
+                failed[seq] = exc
+
+        waiting = set()
+        for seq in plan.follow:
+            try:
+                if self.reuse.follow(seq):
+                    waiting.add(seq)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                fail([seq], exc)
+        for seq in plan.prefill:
+            if seq in failed or seq in waiting or seq.done or not seq.prefilling:
+                continue
+            try:
+                self.prefill(seq)
+            except Exception as exc:  # noqa: BLE001
+                fail([seq], exc)
+        decoding = [seq for seq in plan.decode if seq not in failed and not seq.done and not seq.prefilling]
+        if decoding:
+            try:
+                self.decode(decoding)
+            except Exception as exc:  # noqa: BLE001 - the step's rows fail, the others go on
+                fail(decoding, exc)
+        planned = {*plan.retire, *plan.follow, *plan.prefill, *plan.decode}
+        ended = [seq for seq in self._live.values() if seq.done and seq in planned]
+        trouble = None
+        try:
+            self.feed_last(ended)
+        except Exception as exc:  # noqa: BLE001 - they are stored without it, or not at all
+            trouble = exc
+        finished = []
+        for seq in ended:
+            try:
+                finished.append((seq, self.finish(seq)))
+            except Exception as exc:  # noqa: BLE001
+                fail([seq], exc)
+        return StepOutcome(tuple(finished), tuple(failed.items()), trouble)
+
     # -- one sequence, step by step ------------------------------------------------------------------------
 
     @torch.inference_mode()
     def start(self, request: GenerationRequest, emit: Callable[[str], Any], cancelled: Callable[[], bool],
-              queue_wait_s: float = 0.0, lane: int = 0, sample: bool = True) -> Running:
+              queue_wait_s: float = 0.0, lane: int = 0) -> Sequence:
         """Begin `request` in `lane` (free): restore its prefix state and plan its prefill."""
         assert lane not in self._live, "a lane runs one sequence at a time"
         started = time.perf_counter()
@@ -125,42 +157,19 @@ class Runner:
         got = self.reuse.begin(request, lane)
         stops = sorted(set(got.wanted) | set(range(got.length + self.prefill_chunk, len(prompt), self.prefill_chunk))
                        | {len(prompt)})
-        seq = Running(request=request, emit=emit, cancelled=cancelled, queue_wait_s=queue_wait_s, lane=lane,
+        seq = Sequence(request=request, emit=emit, cancelled=cancelled, queue_wait_s=queue_wait_s, lane=lane,
                        started=started, cache=got.cache, restored=got.length, matched=got.matched,
                        stops=[stop for stop in stops if stop > got.length], wanted=frozenset(got.wanted),
                        sampler=Sampler(params), detok=Detokenizer(self.loaded.tokenizer, params.stop),
                        scratch=got.scratch, position=got.length, opening=got.opening, donor=got.donor)
         self._live[lane] = seq
-        if not sample:
-            seq.finish_reason = "length"  # prompt_logits: the prompt's logits, no reply
         return seq
 
     @torch.inference_mode()
-    def follow(self, seq: Running) -> bool:
-        """Copy into `seq` the state its donor has computed of their common prompt (rows up to the donor's
-        position; for a model that resumes only at snapshots, up to where the donor holds one, or its live
-        state); True while the donor is still computing more of it (`seq` then waits rather than computes
-        them), False when `seq` goes on alone."""
-        if seq.donor is None:
-            return False
-        donor, common = seq.donor
-        if self._live.get(donor.lane) is not donor:  # it ended
-            seq.donor = None
-            return False
-        if donor.opening is not None:
-            return True  # it restarted, and its rows are still opening
-        if self.reuse.copy_from_donor(seq, donor, common):
-            seq.stops = [stop for stop in seq.stops if stop > seq.position]
-        if seq.position >= common or not donor.prefilling:
-            seq.donor = None
-            return False
-        return True
-
-    @torch.inference_mode()
-    def prefill(self, seq: Running) -> None:
+    def prefill(self, seq: Sequence) -> None:
         """Run the next chunk of `seq`'s prompt; after the last, choose its first token."""
         stop = seq.stops.pop(0)
-        seq.prediction = self.loaded.forward.prefill(seq.request.prompt[seq.position:stop], seq.position, seq.cache)
+        seq.prediction = self.forward.prefill(seq.request.prompt[seq.position:stop], seq.position, seq.cache)
         if not self._opened_all(seq, restart=True):
             return
         seq.position = stop
@@ -170,28 +179,23 @@ class Runner:
             self._choose(seq)
 
     @torch.inference_mode()
-    def decode(self, seqs: Sequence[Running]) -> None:
-        """One decode step of every sequence in `seqs` (each has chosen a token not yet run): one batched
-        forward where every cache allows it, else one forward each; then each chooses its next token."""
+    def decode(self, seqs: list[Sequence]) -> None:
+        """One decode step of every sequence in `seqs` (each has chosen a token not yet run), as the forward runs
+        it (`Forward.decode`: one batched forward where it can); then each chooses its next token."""
         self.decode_steps += 1
-        if len(seqs) > 1 and self.batching is None and all(batchable(seq.cache) for seq in seqs):
+        caches = [seq.cache for seq in seqs]
+        if self.forward.batches(caches):
             self.batched_steps += 1
             self.largest_batch = max(self.largest_batch, len(seqs))
-            tokens = [seq.output[-1] for seq in seqs]
-            positions = [len(seq.request.prompt) + len(seq.output) - 1 for seq in seqs]
-            groups, greedy = self._kinship.groups(seqs, self._live), [seq.sampler.params.argmax_only for seq in seqs]
-            caches = [seq.cache for seq in seqs]
-            predictions = self.loaded.forward.step(self._batched, tokens, positions, caches, groups, greedy)
-            for seq, prediction in zip(seqs, predictions, strict=True):
-                seq.prediction = prediction
-        else:
-            for seq in seqs:
-                position = len(seq.request.prompt) + len(seq.output) - 1
-                seq.prediction = self.loaded.forward.prefill([seq.output[-1]], position, seq.cache)
-        for seq in seqs:
+        predictions = self.forward.decode(self._batched, [seq.output[-1] for seq in seqs],
+                                          [len(seq.request.prompt) + len(seq.output) - 1 for seq in seqs], caches,
+                                          lambda: self._kinship.groups(seqs, self._live),
+                                          [seq.sampler.params.argmax_only for seq in seqs])
+        for seq, prediction in zip(seqs, predictions, strict=True):
+            seq.prediction = prediction
             self._choose(seq)
 
-    def _choose(self, seq: Running) -> None:
+    def _choose(self, seq: Sequence) -> None:
         """Sample the next token from `seq.prediction`, hand out its text, and see whether the reply ends."""
         params = seq.request.params
         if len(seq.output) >= params.max_tokens:
@@ -216,7 +220,7 @@ class Runner:
         elif len(seq.output) >= params.max_tokens:
             seq.finish_reason = "length"
 
-    def release(self, seq: Running) -> None:
+    def release(self, seq: Sequence) -> None:
         """`seq` leaves its lane (ended, or failed: then nothing of it is stored): the state it opened elsewhere
         is zeroed, the rows it wrote are counted."""
         if not self._opened_all(seq, restart=False):
@@ -226,7 +230,7 @@ class Runner:
         self._kinship.leave(seq.lane)
         self.reuse.vacate(seq)
 
-    def _opened_all(self, seq: Running, restart: bool) -> bool:
+    def _opened_all(self, seq: Sequence, restart: bool) -> bool:
         """`ReuseManager.finish_opening`. False when an entry failed to open; with `restart` the request then
         starts over in its lane without it, as after a failed restore."""
         if self.reuse.finish_opening(seq):
@@ -241,28 +245,28 @@ class Runner:
         return False
 
     @torch.inference_mode()
-    def feed_last(self, seqs: Sequence[Running]) -> None:
-        """Run the last sampled token of ended sequences that store their state, as one batched forward without
-        the head where their caches allow it (`finish` then stores them as they are); else leave it to `finish`,
-        one forward each. Requests of a wave end in the same step."""
+    def feed_last(self, seqs: list[Sequence]) -> None:
+        """Run the last sampled token of ended sequences that store their state, together where the forward can
+        (`Forward.feed`; `finish` then stores them as they are), else leave it to `finish`, one forward each.
+        Requests of a wave end in the same step."""
         feed = [seq for seq in seqs if self.reuse.awaits_last_token(seq)]
-        if len(feed) < 2 or self.batching is not None or not all(batchable(seq.cache) for seq in feed):
+        if len(feed) < 2:
             return
         try:
-            self._batched.step([seq.output[-1] for seq in feed],
-                               [len(seq.request.prompt) + len(seq.output) - 1 for seq in feed],
-                               [seq.cache for seq in feed], self.loaded.device,
-                               self._kinship.groups(feed, self._live), logits=False)
+            fed = self.forward.feed(self._batched, [seq.output[-1] for seq in feed],
+                                    [len(seq.request.prompt) + len(seq.output) - 1 for seq in feed],
+                                    [seq.cache for seq in feed], lambda: self._kinship.groups(feed, self._live))
         except BaseException:
             for seq in feed:
                 seq.discard = True  # their caches may be part written: nothing of them is stored
             raise
-        self.fed_together += len(feed)
-        for seq in feed:
-            seq.fed = True
+        if fed:
+            self.fed_together += len(feed)
+            for seq in feed:
+                seq.fed = True
 
     @torch.inference_mode()
-    def finish(self, seq: Running) -> GenerationResult:
+    def finish(self, seq: Sequence) -> GenerationResult:
         """`seq` has ended: remember its reply, run its last token where its state is stored with it, store its
         state for the caller (`ReuseManager.end`), and account for it."""
         prompt, output = seq.request.prompt, seq.output
@@ -274,7 +278,7 @@ class Runner:
         self.reuse.remember_reply(seq)
         if self.reuse.awaits_last_token(seq):
             # The last token was sampled but not yet run: run it so the stored state ends with the reply.
-            self.loaded.forward.extend([output[-1]], len(prompt) + len(output) - 1, seq.cache)
+            self.forward.extend([output[-1]], len(prompt) + len(output) - 1, seq.cache)
         stored = self.reuse.end(seq)
         # Prompt tokens among those newly stored and still held.
         written = 0 if stored is None else max(0, min(len(prompt), stored.start + stored.stored) - stored.start)
@@ -285,15 +289,11 @@ class Runner:
 
     def generate(self, request: GenerationRequest, emit: Callable[[str], Any],
                  cancelled: Callable[[], bool], queue_wait_s: float = 0.0, lane: int = 0) -> GenerationResult:
-        """Run one request alone; `emit` gets each text delta as soon as it is safe to send."""
+        """Run one request alone, a step at a time; `emit` gets each text delta as soon as it is safe to send."""
         seq = self.start(request, emit, cancelled, queue_wait_s, lane)
-        try:
-            while not seq.done:
-                if seq.prefilling:
-                    self.prefill(seq)
-                else:
-                    self.decode([seq])
-        except BaseException:
-            self.release(seq)
-            raise
-        return self.finish(seq)
+        while True:
+            outcome = self.run(StepPlan(prefill=(seq,), decode=(seq,)))
+            for _, exc in outcome.failed:
+                raise exc
+            for _, result in outcome.finished:
+                return result

@@ -1,15 +1,16 @@
-"""Fair queueing of generation requests onto the model's worker thread, which runs many of them together.
+"""Fair queueing of generation requests onto the model's worker thread, and the plan of each step it runs.
 
 Model calls run off the event loop, in one worker thread per model, so the HTTP server keeps answering
 while prompts are prefilled. Callers take turns: each has its own FIFO, and requests are admitted from the
 callers round-robin, so one caller's burst cannot starve another's single request. Up to `max_running`
 admitted requests run at once, each in its own lane of working memory, and the worker advances them in
-steps: each step runs prefill chunks within its token budget (what the decoding rows leave of `STEP_TOKENS` while
-any request decodes, else `PREFILL_PER_RUNNING` per running request; the prefilling requests take turns, a chunk
-each, so a long prompt delays a short one by at most one step's chunks) and one decode step of every request that
-is decoding, batched into one forward where the model allows it (`Runner.decode`). A request whose
-prompt a running request of its caller is computing copies that request's rows instead, and waits for them
-(`Runner.follow`). Finished requests leave between steps, and waiting ones take their lanes.
+steps. Each step is planned here (`StepPlan`) and run by the model runner (`ModelRunner.run`): requests whose
+prompt a running request of their caller is computing copy its rows instead, and wait for them (`follow`);
+prefill chunks run within the step's token budget (what the decoding rows leave of `STEP_TOKENS` while any
+request decodes, else `PREFILL_PER_RUNNING` per running request; the prefilling requests take turns, a chunk
+each, so a long prompt delays a short one by at most one step's chunks); every decoding request runs one decode
+step, batched into one forward where the model allows it; and the requests that ended leave (`retire`), so
+that waiting ones take their lanes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from node.engine.runner import GenerationRequest, GenerationResult, Runner, Running
+from node.engine.runner import GenerationRequest, GenerationResult, ModelRunner, Sequence, StepPlan
 from node.log_privacy import Safe
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ their prompts back in any case."""
 
 
 class Scheduler:
-    def __init__(self, runner: Runner, max_queue: int, max_running: int = MAX_RUNNING) -> None:
+    def __init__(self, runner: ModelRunner, max_queue: int, max_running: int = MAX_RUNNING) -> None:
         self.runner = runner
         self.max_queue = max_queue
         self.max_running = max(1, max_running)
@@ -123,7 +124,7 @@ class Scheduler:
         self._queues: OrderedDict[str, deque[Job]] = OrderedDict()
         self._chores: deque[Callable[[], None]] = deque()
         self._waiting = 0
-        self._running: list[tuple[Job, Running]] = []
+        self._running: list[tuple[Job, Sequence]] = []
         """Admitted requests, in the order they came in; touched by the worker thread only."""
         self._turn = 0
         """Which prefilling request runs the next chunk (they take turns)."""
@@ -240,8 +241,12 @@ class Scheduler:
         try:
             work()
         except Exception as exc:  # noqa: BLE001 - housekeeping must not stop the worker
-            log.error("housekeeping failed: %s\n%s", Safe(type(exc).__name__),
-                      Safe("".join(traceback.format_tb(exc.__traceback__))))
+            self._failed_housekeeping(exc)
+
+    @staticmethod
+    def _failed_housekeeping(exc: Exception) -> None:
+        log.error("housekeeping failed: %s\n%s", Safe(type(exc).__name__),
+                  Safe("".join(traceback.format_tb(exc.__traceback__))))
 
     def _work(self) -> None:
         while (taken := self._take()) is not None:
@@ -280,65 +285,55 @@ class Scheduler:
         self._running.append((job, seq))
 
     def _step(self) -> None:
-        """Prefill chunks, one decode step of the decoding requests, then retire the ended."""
-        for job, seq in self._running:
-            if seq.prefilling and not seq.done and job.cancel_event.is_set():
-                seq.finish_reason = "cancelled"
-        # Requests whose prompt another request of their caller is computing copy its rows and wait for more.
-        following = set()
-        for job, seq in list(self._running):
-            if seq.prefilling and not seq.done:
-                try:
-                    if self.runner.follow(seq):
-                        following.add(seq)
-                except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
-                    self._drop([(job, seq)], exc)
-        # Prefill chunks, the prefilling requests taking turns, until the step has run about its budget: what the
-        # decoding rows leave of STEP_TOKENS while any decode, else a wave's worth.
-        waiting_for_tokens = sum(1 for _, seq in self._running if not seq.prefilling and not seq.done)
-        budget = (STEP_TOKENS - waiting_for_tokens if waiting_for_tokens
-                  else max(self.runner.prefill_chunk, PREFILL_PER_RUNNING * len(self._running)))
-        spent = 0
-        while prefilling := [(job, seq) for job, seq in self._running
-                             if seq.prefilling and not seq.done and seq not in following]:
-            job, seq = prefilling[self._turn % len(prefilling)]
-            size = seq.next_chunk
-            if spent and spent + size > budget:
-                break
-            self._turn += 1
-            spent += size
-            try:
-                self.runner.prefill(seq)
-            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
-                self._drop([(job, seq)], exc)
-        decoding = [(job, seq) for job, seq in self._running if not seq.prefilling and not seq.done]
-        if decoding:
-            try:
-                self.runner.decode([seq for _, seq in decoding])
-            except Exception as exc:  # noqa: BLE001 - the step's requests fail, the others go on
-                self._drop(decoding, exc)
-        ended = [(job, seq) for job, seq in self._running if seq.done]
-        self._guarded(lambda: self.runner.feed_last([seq for _, seq in ended]))
-        for job, seq in ended:
-            self._running.remove((job, seq))
-            try:
-                result = self.runner.finish(seq)
-            except Exception as exc:  # noqa: BLE001
-                self.runner.release(seq)
-                self._failed(job, exc)
-            else:
-                job.post(Finished(result))
-        if ended:
+        """Plan a step, have the runner run it, and answer the requests that ended or failed in it."""
+        outcome = self.runner.run(self._plan())
+        if outcome.trouble is not None:
+            self._failed_housekeeping(outcome.trouble)
+        jobs = {id(seq): job for job, seq in self._running}
+        for seq, exc in outcome.failed:
+            self._running.remove((job := jobs[id(seq)], seq))
+            self._failed(job, exc)
+        for seq, result in outcome.finished:
+            self._running.remove((job := jobs[id(seq)], seq))
+            job.post(Finished(result))
+        if outcome.finished or outcome.failed:
             # After replies: cold state is sealed, running and waiting work going first (up to a bound), and
             # plaintext no longer hot is zeroed, requests waiting to start going first.
             self._guarded(lambda: self.runner.settle(stop=lambda: bool(self._running) or self._waiting > 0,
                                                      waiting=lambda: self._waiting > 0))
 
-    def _drop(self, failed: list[tuple[Job, Running]], exc: Exception) -> None:
-        for job, seq in failed:
-            self._running.remove((job, seq))
-            self.runner.release(seq)
-            self._failed(job, exc)
+    def _plan(self) -> StepPlan:
+        """The next step: requests cancelled while waiting for their prompt retire; those following a request of
+        their caller copy its rows; prefill chunks, the prefilling requests taking turns, up to the step's token
+        budget (what the decoding rows leave of STEP_TOKENS while any decode, else a wave's worth); and one decode
+        step of every decoding request, and of each whose prompt the step's chunks complete."""
+        retire, follow, prefilling, decode = [], [], [], []
+        for job, seq in self._running:
+            if seq.prefilling and not seq.done and job.cancel_event.is_set():
+                seq.finish_reason = "cancelled"
+            if seq.done:
+                retire.append(seq)
+            elif not seq.prefilling:
+                decode.append(seq)
+            elif seq.donor is not None:
+                follow.append(seq)
+            else:
+                prefilling.append(seq)
+        budget = (STEP_TOKENS - len(decode) if decode
+                  else max(self.runner.prefill_chunk, PREFILL_PER_RUNNING * len(self._running)))
+        chunks = {seq: [stop - start for start, stop in zip([seq.position, *seq.stops[:-1]], seq.stops, strict=True)]
+                  for seq in prefilling}
+        prefill: list[Sequence] = []
+        spent = 0
+        while turns := [seq for seq in prefilling if chunks[seq]]:
+            seq = turns[self._turn % len(turns)]
+            if spent and spent + chunks[seq][0] > budget:
+                break
+            self._turn += 1
+            spent += chunks[seq].pop(0)
+            prefill.append(seq)
+        decode += [seq for seq in prefilling if not chunks[seq]]
+        return StepPlan(tuple(follow), tuple(prefill), tuple(decode), tuple(retire))
 
     @staticmethod
     def _failed(job: Job, exc: Exception) -> None:

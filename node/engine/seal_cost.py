@@ -14,6 +14,7 @@ import time
 import torch
 
 from cache.arena import SealCost, StateArena
+from cache.lanes import Lanes
 from cache.scope import Scope
 from cache.sealing import Sealer
 from node.engine.loader import LoadedModel
@@ -33,9 +34,9 @@ PROBE_MODEL_SUFFIX = "\0seal-cost"
 
 
 @torch.inference_mode()
-def measure_seal_cost(loaded: LoadedModel, sealer: Sealer) -> SealCost:
-    """Prefill random tokens, seal their state under a probe scope and open it into a working cache, timing
-    both; the probe's state is zeroed and its key destroyed afterwards."""
+def measure_seal_cost(loaded: LoadedModel, sealer: Sealer, lanes: Lanes) -> SealCost:
+    """Prefill random tokens in lane 0 of `lanes`, seal their state under a probe scope and open it into a working
+    cache there, timing both; the probe's state is zeroed and its key destroyed afterwards."""
     state = loaded.state
     assert state is not None
     tokens = min(SAMPLE_TOKENS, loaded.context_length - 1)
@@ -43,7 +44,7 @@ def measure_seal_cost(loaded: LoadedModel, sealer: Sealer) -> SealCost:
     ids = torch.randint(min(100, vocab - 1), vocab, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     compute_s: list[float] = []
     while more_rounds(compute_s):
-        cache, _ = state.new_cache(tokens)
+        cache, _ = lanes.new_cache(0, tokens)
         started = time.perf_counter()
         loaded.forward.prefill(ids, 0, cache)
         compute_s.append(time.perf_counter() - started)
@@ -59,7 +60,7 @@ def measure_seal_cost(loaded: LoadedModel, sealer: Sealer) -> SealCost:
     open_s: list[float] = []
     try:
         while more_rounds(open_s):
-            target, _ = state.new_cache(tokens)
+            target, _ = lanes.new_cache(0, tokens)
             started = time.perf_counter()
             probe.restore(state, target, [(handle, tokens)], skip=0, snapshot=snapshot, position=tokens)
             open_s.append(time.perf_counter() - started)
@@ -68,7 +69,7 @@ def measure_seal_cost(loaded: LoadedModel, sealer: Sealer) -> SealCost:
         probe.free(handle)
         probe.forget(scope)
         probe.wipe_scratch()
-        state.wipe_pool(0, tokens)
+        lanes.wipe(0, 0, tokens)
     return SealCost(min(open_s) / nbytes, min(compute_s) / tokens, nbytes, tokens)
 
 

@@ -1,4 +1,5 @@
-"""What the runner serves: a request, its result, and `Running`, one request while it runs in a lane."""
+"""What the engine runs: a request, its result, `Sequence` (one request while it runs in a lane), and a step's
+`StepPlan` (the scheduler's choice) and `StepOutcome` (what the model runner made of it)."""
 
 from __future__ import annotations
 
@@ -65,8 +66,10 @@ class GenerationResult:
 
 
 @dataclass(eq=False)
-class Running:
-    """One request while it runs: its lane's working cache, how far its prompt is computed, its reply so far."""
+class Sequence:
+    """One request while it runs: its ids (prompt and reply so far), how far its prompt is computed, its lane, and
+    handles of its state (the lane's working cache, snapshots, state opened elsewhere); the model itself is the
+    runner's `Forward`, and what outlives the request is the `ReuseManager`'s."""
 
     request: GenerationRequest
     emit: Callable[[str], Any]
@@ -97,13 +100,14 @@ class Running:
     discard: bool = False
     """Its caller went while it ran: nothing of it is stored."""
     fed: bool = False
-    """Its last sampled token has run (`Runner.feed_last`): `finish` stores the state as it is."""
+    """Its last sampled token has run (`ModelRunner.feed_last`): `finish` stores the state as it is."""
     opening: Opening | None = None
     """Sealed rows of its restore still opening (`cache/opening.py`): its first chunk's forward reads them as
-    they open, and `Runner.prefill` finishes them after it."""
-    donor: tuple[Running, int] | None = None
+    they open, and `ModelRunner.prefill` finishes them after it."""
+    donor: tuple[Sequence, int] | None = None
     """(request, n): a running request of the same caller whose prompt agrees with this one's for n tokens, and
-    which computes them ahead of this one; this one copies its rows instead of computing them (`Runner.follow`)."""
+    which computes them ahead of this one; this one copies its rows instead of computing them
+    (`ReuseManager.follow`)."""
 
     @property
     def prefilling(self) -> bool:
@@ -113,7 +117,30 @@ class Running:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def next_chunk(self) -> int:
-        """Tokens of the next prefill chunk."""
-        return self.stops[0] - self.position if self.stops else 0
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step of the running sequences, as the scheduler planned it; `ModelRunner.run` executes it in this
+    order."""
+
+    follow: tuple[Sequence, ...] = ()
+    """Sequences whose prompt a running request of their caller computes: they copy its rows first
+    (`ReuseManager.follow`), and run no chunk this step."""
+    prefill: tuple[Sequence, ...] = ()
+    """One prompt chunk per entry, in this order; a sequence appears once for each chunk it runs."""
+    decode: tuple[Sequence, ...] = ()
+    """One decode step each, batched where the model allows; a sequence whose prompt this step's chunks complete
+    is listed too, and decodes in the same step."""
+    retire: tuple[Sequence, ...] = ()
+    """Sequences that ended before the step (cancelled while waiting for their prompt). They leave after it, with
+    every planned sequence that ended in it."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """What a step did: each ended sequence with its result, each failed one with its error (it left its lane,
+    nothing of it stored); `trouble`, an error of the step's housekeeping that failed no request."""
+
+    finished: tuple[tuple[Sequence, GenerationResult], ...] = ()
+    failed: tuple[tuple[Sequence, Exception], ...] = ()
+    trouble: Exception | None = None

@@ -36,7 +36,7 @@ def restored_keys(cache: PrefixCache, lease: ReuseLease) -> list[float]:
     arena = cache.arena
     assert isinstance(arena, StateArena)
     adapter = arena._adapters["m"]
-    work, _ = adapter.new_cache(64)
+    work = adapter.working_cache(64)
     arena.restore(adapter, work, lease.spans, 0, lease.snapshot, lease.length)
     adapter.materialize(work)
     return work.layers[0].keys[0, 0, :, 0].tolist()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from cache.working_cache import BufferPool, GrowableKVLayer
+from cache.lanes import BufferPool
+from cache.working_cache import GrowableKVLayer
 
 
 def kv(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,34 +62,6 @@ def test_a_continuing_request_cuts_the_last_layer_back_in_place() -> None:
     assert layer.get_seq_length() == 6 and torch.equal(layer.keys, keys[:, :, :6])
     layer.defer(*kv(9, 3))
     assert not layer.truncate(2, 16)  # pieces held by reference
-
-
-def test_a_reserved_pool_holds_zeroed_buffers_shaped_as_its_model_and_keeps_them() -> None:
-    model = BufferPool()
-    layer = GrowableKVLayer(capacity=4, pool=model)
-    layer.update(*kv(9, 3))
-    pool = BufferPool()
-    pool.reserve(model, 1000)
-    assert pool.row_bytes == model.row_bytes == 2 * (2 * 8 * 4)  # keys and values: 2 heads of 8 floats
-    held = [pool.held(slot) for slot in (0, 1)]
-    assert all(buffer is not None and buffer.shape == (1, 2, 1024, 8) and not buffer.any() for buffer in held)
-    # A request of up to the reserved rows takes those buffers: nothing is allocated on its time.
-    layer = GrowableKVLayer(capacity=1000, pool=pool)
-    layer.update(*kv(10, 1000))
-    assert [pool.held(slot) for slot in (0, 1)] == held
-
-
-def test_zeroing_rows_goes_from_the_last_row_down_in_batches_and_stops_when_asked(monkeypatch) -> None:
-    pool = BufferPool()
-    layer = GrowableKVLayer(capacity=100, pool=pool)
-    layer.update(*kv(11, 100))
-    monkeypatch.setattr("cache.working_cache.WIPE_BATCH_BYTES", 30 * pool.row_bytes)
-    looks = iter([False, False, True])
-    assert pool.zero_rows(10, 100, lambda: next(looks)) == 40  # two batches of 30 rows, then asked to stop
-    buffers = [pool.held(slot) for slot in (0, 1)]
-    assert all(b is not None and b[:, :, 10:40].all() and not b[:, :, 40:100].any() for b in buffers)
-    assert pool.zero_rows(10, 40) == 10
-    assert all(b is not None and b[:, :, :10].all() and not b[:, :, 10:100].any() for b in buffers)
 
 
 def test_rows_written_in_place_count_at_once_and_the_views_catch_up_when_read() -> None:

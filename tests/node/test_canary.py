@@ -245,7 +245,7 @@ def working_cache_rows(model_dir: Path, prompt: list[int]) -> dict[RowKey, bytes
     its working-cache layers, its prefill chunks."""
     loaded = load_model(model_dir.name, model_dir)
     assert loaded.state is not None
-    cache, _ = loaded.state.new_cache(len(prompt))
+    cache = loaded.state.working_cache(len(prompt))
     chunk = Limits().prefill_chunk
     for start in range(0, len(prompt), chunk):
         loaded.forward.prefill(prompt[start:start + chunk], start, cache)

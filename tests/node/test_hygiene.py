@@ -368,11 +368,11 @@ def test_our_log_calls_use_constant_format_strings() -> None:
 def test_the_nodes_working_buffers_are_excluded_from_dumps(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from cache.working_cache import FRESH_BUFFER_HOOKS, BufferPool
+    from cache.lanes import FRESH_BUFFER_HOOKS, BufferPool
     from node.hygiene import exclude_from_dumps
 
     if not sys.platform.startswith("linux"):
         pytest.skip("madvise(MADV_DONTDUMP) is Linux's")
-    monkeypatch.setattr("cache.working_cache.FRESH_BUFFER_HOOKS", [*FRESH_BUFFER_HOOKS, exclude_from_dumps])
+    monkeypatch.setattr("cache.lanes.FRESH_BUFFER_HOOKS", [*FRESH_BUFFER_HOOKS, exclude_from_dumps])
     buffer = BufferPool().take(0, torch.empty(1), (1, 8, 4096, 64))  # 8 MiB: its own mapping, whole pages
     assert "dd" in vm_flags(buffer.data_ptr() + buffer.numel() * buffer.element_size() // 2)

@@ -17,7 +17,7 @@ from node.api.app import create_app
 from node.api.keys import METER
 from node.config import add_key, load_config
 from node.engine.loader import load_model
-from node.engine.runner import GenerationRequest, GenerationResult, Runner, Running
+from node.engine.runner import GenerationRequest, GenerationResult, ModelRunner, Sequence
 from node.engine.sampling import SamplingParams
 from node.engine.scheduler import Failed, Finished, Job, Scheduler
 from node.identity import NodeIdentity
@@ -144,8 +144,8 @@ async def test_a_job_that_never_ends_is_given_up_at_close(tmp_path: Path) -> Non
     assert meter.ledger.path.read_bytes().count(b"\n") == 1  # the header only
 
 
-class FailingRunner(Runner):
-    def prefill(self, seq: Running) -> None:
+class FailingRunner(ModelRunner):
+    def prefill(self, seq: Sequence) -> None:
         raise RuntimeError("a model fault")
 
 
@@ -154,7 +154,7 @@ def small_loaded(small_model_dir: Path):
     return load_model(small_model_dir.name, small_model_dir)
 
 
-async def serve(aiohttp_client, tmp_path: Path, loaded, runner_class: type[Runner] = Runner):
+async def serve(aiohttp_client, tmp_path: Path, loaded, runner_class: type[ModelRunner] = ModelRunner):
     config_path = tmp_path / "node.yaml"
     key = add_key(config_path, "alice")
     runner = runner_class(loaded, None)

@@ -31,7 +31,7 @@ from node.api.keys import IDENTITY, SERVICE
 from node.config import Limits, add_key
 from node.engine.chat_template import RenderedChat
 from node.engine.loader import LoadedModel
-from node.engine.runner import GenerationRequest, PrefixForms, Runner
+from node.engine.runner import GenerationRequest, ModelRunner, PrefixForms
 from node.engine.sampling import SamplingParams
 from node.openai_schema import Message
 from node.service import ModelService, chat_forms
@@ -80,7 +80,7 @@ def test_a_chat_whose_ends_cannot_be_told_apart_claims_no_boundary() -> None:
 
 def test_the_runner_remembers_forms_only_for_kept_state(small_loaded: LoadedModel) -> None:  # noqa: F811
     cache = new_prefix_cache(CacheBudget(1 << 30, 1 << 30), sealed=False)
-    runner = Runner(small_loaded, cache)
+    runner = ModelRunner(small_loaded, cache)
     scope, replies = Scope("r1/alice", small_loaded.model_id), []
 
     def reply_form(text: str) -> bytes:

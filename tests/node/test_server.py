@@ -15,7 +15,7 @@ from cache.arena import Scope
 from node.engine.chat_template import render_chat
 from node.engine.cpu_kernels import load_kernels
 from node.engine.loader import load_model
-from node.engine.runner import GenerationRequest, Runner
+from node.engine.runner import GenerationRequest, ModelRunner
 from node.engine.sampling import SamplingParams
 from tests.node.conftest import Node
 
@@ -34,7 +34,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def test_five_turn_chat_reuses_history_and_matches_no_reuse(node_factory, small_model_dir: Path) -> None:
     reuse, plain = node_factory.all((small_model_dir,), (small_model_dir, "--no-reuse"))
     model = small_model_dir.name
-    oracle = Runner(load_model(model, small_model_dir), None)  # in-process, reuse off: the generated ids
+    oracle = ModelRunner(load_model(model, small_model_dir), None)  # in-process, reuse off: the generated ids
     tokenizer = oracle.loaded.tokenizer
     c_reuse, c_plain = client(reuse, reuse.add_key("alice")), client(plain, plain.add_key("alice"))
     messages = [{"role": "system", "content": "You are a terse assistant for the test suite."}]

@@ -21,13 +21,14 @@ from transformers import DynamicCache
 
 from cache.adapters import RecurrentPiece
 from cache.arena import Scope
+from cache.lanes import BufferPool
 from cache.working_cache import GrowableKVLayer
 from node.engine import scheduler as scheduler_module
 from node.engine.batch_forward import BatchedDecode, Shared, batch_blocker, batchable, equal_rows
 from node.engine.cpu_decoder import SCREENED_ROWS, RowPrediction
 from node.engine.cpu_kernels import load_kernels, native_switched_off
 from node.engine.loader import LoadedModel, load_model
-from node.engine.runner import GenerationRequest, GenerationResult, Runner, Running
+from node.engine.runner import GenerationRequest, GenerationResult, ModelRunner, Sequence
 from node.engine.sampling import SamplingParams
 from node.engine.scheduler import Failed, Finished, Job, Scheduler
 from node.engine.synthetic import init_model
@@ -43,7 +44,7 @@ def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(100, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def reuse_runner(loaded: LoadedModel, prefill_chunk: int = 64) -> Runner:
+def reuse_runner(loaded: LoadedModel, prefill_chunk: int = 64) -> ModelRunner:
     return sealed_runner(loaded, prefill_chunk=prefill_chunk)
 
 
@@ -62,7 +63,7 @@ def requests(model: str) -> list[GenerationRequest]:
                               SamplingParams(max_tokens=6 + 2 * i, temperature=0.0)) for i in range(4)]
 
 
-async def run_together(runner: Runner, batch: list[GenerationRequest], max_running: int = 32
+async def run_together(runner: ModelRunner, batch: list[GenerationRequest], max_running: int = 32
                        ) -> list[GenerationResult]:
     scheduler = Scheduler(runner, max_queue=16, max_running=max_running)
     scheduler.start()
@@ -77,7 +78,7 @@ async def run_together(runner: Runner, batch: list[GenerationRequest], max_runni
 async def test_concurrent_callers_get_what_they_get_alone(family: str, tmp_path: Path) -> None:
     loaded = load_model(family, init_model(family, tmp_path / family, size="small"))
     batch = requests(loaded.model_id)
-    alone = Runner(loaded, None)
+    alone = ModelRunner(loaded, None)
     expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
     runner = reuse_runner(loaded)
     # Callers 0 and 1 stored the first part of their prompt before: they resume there.
@@ -96,7 +97,7 @@ async def test_more_requests_than_lanes_all_complete(small_model_dir: Path) -> N
     loaded = load_model("small", small_model_dir)
     batch = requests(loaded.model_id) + [GenerationRequest(Scope("caller-0", loaded.model_id), tokens(40, 50),
                                                            SamplingParams(max_tokens=5, temperature=0.0))]
-    alone = Runner(loaded, None)
+    alone = ModelRunner(loaded, None)
     expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
     results = await run_together(reuse_runner(loaded), batch, max_running=2)
     assert [result.output_ids for result in results] == expected
@@ -105,16 +106,18 @@ async def test_more_requests_than_lanes_all_complete(small_model_dir: Path) -> N
 async def test_requests_in_reserved_lanes_allocate_nothing_and_get_what_they_get_alone(small_model_dir: Path) -> None:
     loaded = load_model("small", small_model_dir)
     batch = requests(loaded.model_id)
-    alone = Runner(loaded, None)
+    alone = ModelRunner(loaded, None)
     expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
     runner = reuse_runner(loaded)
-    assert loaded.state is not None
-    row_bytes = loaded.state.lane_row_bytes(0)  # the sealing cost probe ran in lane 0
-    assert row_bytes > 0
-    assert runner.reserve_lanes(4, 0) == 0 and runner.reserve_lanes(4, 4 * 511 * row_bytes) == 0  # under a grain
-    assert runner.reserve_lanes(4, 4 * 1100 * row_bytes) == 1024
+    lanes = runner.reuse.lanes
+    assert lanes is not None and lanes.row_bytes(0) == 0  # no request ran in lane 0 yet
+    row_bytes = 2 * 2 * 2 * 32 * 4  # layers · (keys, values) · kv_heads · head_dim · float32 bytes
+    assert runner.reuse.reserve_lanes(4, 0) == 0 and lanes.row_bytes(0) == 0  # nothing to reserve: no probe
+    assert runner.reuse.reserve_lanes(4, 4 * 511 * row_bytes) == 0  # under a grain
+    assert lanes.row_bytes(0) == row_bytes  # the shapes were learnt from one token run in lane 0
+    assert runner.reuse.reserve_lanes(4, 4 * 1100 * row_bytes) == 1024
     assert runner.engine_state()["reserved_lane_rows"] == 1024
-    pools = [loaded.state._pools[lane]._buffers for lane in range(4)]
+    pools = [lanes._pools[lane]._buffers for lane in range(4)]
     assert all(buffer.shape[2] == 1024 and not buffer.any() for pool in pools for buffer in pool.values())
     held = [{slot: buffer.data_ptr() for slot, buffer in pool.items()} for pool in pools]
     results = await run_together(runner, batch, max_running=4)
@@ -128,7 +131,7 @@ async def test_a_step_prefills_128_tokens_per_running_request(small_model_dir: P
     loaded = load_model("small", small_model_dir)
     batch = [GenerationRequest(Scope(f"caller-{i}", loaded.model_id), tokens(50 + i, 96),
                                SamplingParams(max_tokens=5, temperature=0.0)) for i in range(4)]
-    alone = Runner(loaded, None)
+    alone = ModelRunner(loaded, None)
     expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
     runner = reuse_runner(loaded, prefill_chunk=16)
     scheduler = Scheduler(runner, max_queue=16)
@@ -144,7 +147,7 @@ async def test_a_step_prefills_128_tokens_per_running_request(small_model_dir: P
 
 
 @asynccontextmanager
-async def started(runner: Runner, prompt: list[int], max_tokens: int, max_queue: int = 4
+async def started(runner: ModelRunner, prompt: list[int], max_tokens: int, max_queue: int = 4
                   ) -> AsyncIterator[tuple[Scheduler, Job]]:
     """A scheduler on `runner` and alice's request of `prompt`, once it is admitted (its prefill has begun)."""
     scheduler = Scheduler(runner, max_queue=max_queue)
@@ -188,13 +191,13 @@ async def test_a_decoding_request_waits_for_at_most_the_steps_token_budget(
         pending["admitted"] += 1
         return start(*args, **kwargs)
 
-    def counted_prefill(seq: Running) -> None:
-        pending["prefilled"] += seq.next_chunk
+    def counted_prefill(seq: Sequence) -> None:
+        pending["prefilled"] += seq.stops[0] - seq.position  # the chunk it runs
         prefill(seq)
 
     submitted = threading.Event()
 
-    def counted_decode(seqs: list[Running]) -> None:
+    def counted_decode(seqs: list[Sequence]) -> None:
         steps.append((pending["admitted"], pending["prefilled"], len(seqs)))
         pending.update(admitted=0, prefilled=0)
         submitted.wait(10)  # the worker's first step waits until all six have arrived
@@ -234,7 +237,7 @@ async def test_cancelling_a_request_while_its_prompt_prefills_stops_it(small_mod
         again = await outcome(scheduler.submit("alice", request))
         assert 0 < again.cached_read_tokens < 1500
     # Once the scheduler has stopped: its worker shares the model's native scratch, which it zeroes when idle.
-    assert again.output_ids == Runner(loaded, None).generate(request, lambda _: None, lambda: False).output_ids
+    assert again.output_ids == ModelRunner(loaded, None).generate(request, lambda _: None, lambda: False).output_ids
 
 
 async def test_requests_that_end_in_the_same_step_keep_their_state(small_model_dir: Path) -> None:
@@ -249,7 +252,7 @@ async def test_requests_that_end_in_the_same_step_keep_their_state(small_model_d
     follow = [GenerationRequest(request.scope, request.prompt + reply.output_ids + tokens(7, 9),
                                 SamplingParams(max_tokens=6, temperature=0.0))
               for request, reply in zip(first, replies, strict=True)]
-    alone = Runner(loaded, None)
+    alone = ModelRunner(loaded, None)
     expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in follow]
     results = await run_together(runner, follow)
     assert [result.output_ids for result in results] == expected
@@ -263,7 +266,7 @@ async def test_a_failed_feed_of_last_tokens_stores_nothing_and_replies(small_mod
     loaded = load_model("small", small_model_dir)
     first = [GenerationRequest(Scope(name, "small"), tokens(seed, 60), SamplingParams(max_tokens=4, temperature=0.0))
              for seed, name in enumerate(("alice", "bob"))]
-    alone = Runner(loaded, None)
+    alone = ModelRunner(loaded, None)
     expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in first]
     runner = reuse_runner(loaded, prefill_chunk=256)
     step = runner._batched.step
@@ -310,7 +313,7 @@ async def test_one_callers_sequences_attend_their_shared_rows_once(family: str, 
     loaded = load_model(family, init_model(family, tmp_path / family, size="small"))
     # 24-token replies overlap even where prompts are computed in turns (gemma3's sliding layers copy no rows).
     batch = one_callers_requests(loaded.model_id, scope="agent", max_tokens=24)
-    alone = Runner(loaded, None)
+    alone = ModelRunner(loaded, None)
     expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
     runner = reuse_runner(loaded)
     results = await run_together(runner, batch)
@@ -334,7 +337,7 @@ async def test_one_callers_requests_copy_the_prompt_rows_another_computes(small_
     it, the others wait for its rows and copy them (billed as cached reads), and each reply is its own."""
     loaded = load_model("small", small_model_dir)
     batch = one_callers_requests(loaded.model_id, scope="agent")
-    alone = Runner(loaded, None)
+    alone = ModelRunner(loaded, None)
     expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
     runner = reuse_runner(loaded)  # 64-token chunks: the followers wait through five of the first one's
     results = await run_together(runner, batch)
@@ -353,7 +356,7 @@ async def test_one_callers_requests_copy_the_state_of_a_model_that_resumes_at_sn
     system = tokens(99, 300)  # then a user message long enough for every request to snapshot where it starts
     batch = [GenerationRequest(Scope("agent", loaded.model_id), system + tokens(i, 40 + 7 * i),
                                SamplingParams(max_tokens=8, temperature=0.0), boundaries=(300,)) for i in range(4)]
-    alone = Runner(loaded, None)
+    alone = ModelRunner(loaded, None)
     expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
     runner = reuse_runner(loaded)
     assert runner.loaded.state is not None and runner.loaded.state.needs_snapshots
@@ -378,9 +381,10 @@ async def test_a_request_without_retention_neither_copies_nor_gives_rows(small_m
 
 
 @torch.inference_mode()
-def prefilled(loaded: LoadedModel, prompt: list[int], lane: int) -> DynamicCache:
+def prefilled(loaded: LoadedModel, prompt: list[int]) -> DynamicCache:
+    """A working cache of `prompt` in buffers of its own, shaped as a lane's."""
     assert loaded.state is not None
-    cache = loaded.state.new_cache(len(prompt) + 8, lane=lane)[0]
+    cache = loaded.state.working_cache(len(prompt) + 8, BufferPool())
     for start in range(0, len(prompt), 64):  # the same chunks for every prompt: the same rows for the same tokens
         loaded.forward.prefill(prompt[start:start + 64], start, cache)
     return cache
@@ -389,7 +393,7 @@ def prefilled(loaded: LoadedModel, prompt: list[int], lane: int) -> DynamicCache
 def test_equal_rows_counts_the_rows_held_value_for_value(small_model_dir: Path) -> None:
     loaded = load_model("small", small_model_dir)
     system = tokens(99, 300)
-    first, second = prefilled(loaded, system + tokens(1, 20), 0), prefilled(loaded, system + tokens(2, 30), 1)
+    first, second = prefilled(loaded, system + tokens(1, 20)), prefilled(loaded, system + tokens(2, 30))
     assert equal_rows(first, second, 320) == 300
     assert equal_rows(first, second, 200) == 200
     layer = second.layers[1]
@@ -413,7 +417,7 @@ def test_a_step_over_shared_rows_gives_each_sequence_its_own_logits(small_model_
     steps = BatchedDecode(loaded.model, kernels if native else None)
     logits = []
     for batched, shared in ((BatchedDecode(loaded.model), ()), (steps, (Shared((0, 2), 300), ))):
-        caches = [prefilled(loaded, prompt, lane) for lane, prompt in enumerate(prompts)]
+        caches = [prefilled(loaded, prompt) for prompt in prompts]
         logits.append(batched.step([5, 6, 7], [len(prompt) for prompt in prompts], caches, loaded.device, shared))
     assert steps.shared_rows == 2 * 2  # two members, both layers
     scale = logits[0].abs().max()
@@ -434,9 +438,8 @@ def test_a_steps_greedy_rows_take_their_tokens_from_one_screen_of_the_head(small
     prompts = [tokens(i, 5 + 7 * i) for i in range(rows)]
     greedy = [all_greedy or row % 3 != 1 for row in range(rows)]
     steps = [5 + row for row in range(rows)], [len(prompt) for prompt in prompts]
-    logits = BatchedDecode(loaded.model).step(*steps, [prefilled(loaded, p, lane) for lane, p in enumerate(prompts)],
-                                              loaded.device)
-    caches = [prefilled(loaded, prompt, rows + lane) for lane, prompt in enumerate(prompts)]
+    logits = BatchedDecode(loaded.model).step(*steps, [prefilled(loaded, p) for p in prompts], loaded.device)
+    caches = [prefilled(loaded, prompt) for prompt in prompts]
     predictions = loaded.forward.step(BatchedDecode(loaded.model), *steps, caches, (), greedy)
     screened = loaded.forward.decoder.screens(greedy)
     assert screened == (sum(greedy) <= SCREENED_ROWS or loaded.forward.decoder.screens_every_row)
@@ -457,8 +460,8 @@ def test_a_batched_step_of_recurrent_layers_continues_each_sequences_state(famil
     loaded = load_model(family, init_model(family, tmp_path / family, size="small"))
     assert batch_blocker(loaded.model) is None
     prompts = [tokens(i, 20 + 31 * i) for i in range(3)]
-    alone = [prefilled(loaded, prompt, lane) for lane, prompt in enumerate(prompts)]
-    together = [prefilled(loaded, prompt, 3 + lane) for lane, prompt in enumerate(prompts)]
+    alone = [prefilled(loaded, prompt) for prompt in prompts]
+    together = [prefilled(loaded, prompt) for prompt in prompts]
     assert all(batchable(cache) for cache in together)
     steps = BatchedDecode(loaded.model)
     for step in range(3):

@@ -59,7 +59,7 @@ def test_chunks_after_a_prefill_match_one_pass(kernels: CpuKernels, variant: dic
     ids = torch.randint(3, VOCAB, (200,), generator=generator).tolist()
     # A prefill by transformers, then chunks of every kind the decoder takes: torch attention (1, 5),
     # kernel attention (16, 33, 64), a chunk of two pieces (72: 64 and 8), and the decode steps after them.
-    cache, _ = state.new_cache(len(ids))
+    cache = state.working_cache(len(ids))
     with torch.inference_mode():
         model(input_ids=torch.tensor([ids[:8]]), cache=cache, use_cache=True)
     position = 8
@@ -151,3 +151,4 @@ def test_a_decoder_that_disagrees_with_transformers_is_not_used(
     loaded = load_model("small", directory)
     assert loaded.forward.decoder is None and loaded.state is not None
     assert loaded.forward.reason == "the native forward failed its check against transformers' forward at load"
+

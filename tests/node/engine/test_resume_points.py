@@ -12,10 +12,10 @@ import torch
 from cache.arena import Scope
 from cache.snapshot_policy import SnapshotPolicy
 from node.engine.loader import LoadedModel, load_model
-from node.engine.runner import GenerationRequest, Runner
+from node.engine.runner import GenerationRequest, ModelRunner
 from node.engine.sampling import SamplingParams
 from node.engine.synthetic import init_model
-from tests.node.engine.runners import sealed_runner
+from tests.node.engine.runners import prompt_logits, sealed_runner
 from tests.numeric import relative_error
 
 TOLERANCE = 1e-4  # of the largest |logit| (tests/numeric.py); float32 logits are of order 1 to 10
@@ -29,19 +29,19 @@ def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def full_pass_logits(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
-    return Runner(loaded, None).prompt_logits(Scope("reference", loaded.model_id), prompt)[0]
+    return prompt_logits(ModelRunner(loaded, None), Scope("reference", loaded.model_id), prompt)[0]
 
 
 def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(100, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def runner(loaded: LoadedModel, interval: int = 0) -> Runner:
+def runner(loaded: LoadedModel, interval: int = 0) -> ModelRunner:
     return sealed_runner(loaded, 1 << 32, prefill_chunk=48, policy=SnapshotPolicy(interval=interval))
 
 
-def check(loaded: LoadedModel, run: Runner, prompt: list[int], resumed_at: int) -> None:
-    logits, restored = run.prompt_logits(Scope("alice", loaded.model_id), prompt)
+def check(loaded: LoadedModel, run: ModelRunner, prompt: list[int], resumed_at: int) -> None:
+    logits, restored = prompt_logits(run, Scope("alice", loaded.model_id), prompt)
     assert restored == resumed_at
     assert relative_error(logits, full_pass_logits(loaded, prompt)) <= TOLERANCE
 
@@ -84,7 +84,7 @@ def test_message_boundary_and_end_of_reply(loaded: LoadedModel) -> None:
 
 
 def test_greedy_decoding_after_a_resume_matches(loaded: LoadedModel) -> None:
-    run, plain, scope = runner(loaded, interval=32), Runner(loaded, None), Scope("alice", loaded.model_id)
+    run, plain, scope = runner(loaded, interval=32), ModelRunner(loaded, None), Scope("alice", loaded.model_id)
     history = tokens(13, 70)
     for turn in range(3):
         history = history + tokens(20 + turn, 12)
@@ -97,7 +97,7 @@ def test_greedy_decoding_after_a_resume_matches(loaded: LoadedModel) -> None:
 
 def test_an_identical_prompt_sent_again_recomputes_only_its_last_token(loaded: LoadedModel) -> None:
     # Issue 34: a hybrid's retry of a prompt whose last message is long recomputed that whole message.
-    run, plain, scope = runner(loaded), Runner(loaded, None), Scope("alice", loaded.model_id)
+    run, plain, scope = runner(loaded), ModelRunner(loaded, None), Scope("alice", loaded.model_id)
     system, document = tokens(40, 30), tokens(41, 400)
     request = GenerationRequest(scope, system + document, SamplingParams(6, 0.0), boundaries=(30, 425))
     first = run.generate(request, emit=lambda _: None, cancelled=lambda: False)

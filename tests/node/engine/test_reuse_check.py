@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from node.engine import loader
+from node.engine import forward
 from node.engine.loader import load_model
 from node.engine.reuse_check import check_reuse
 from node.engine.synthetic import init_model
@@ -22,7 +22,7 @@ def test_models_that_continue_exactly_keep_reuse(small_model_dir: Path, tmp_path
 def test_a_model_whose_continuation_restarts_from_zero_is_served_without_reuse(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     directory = init_model("mamba", tmp_path / "m", "small")
-    monkeypatch.setattr(loader.mamba1, "install", lambda model: 0)  # the upstream torch path, as shipped
+    monkeypatch.setattr(forward.mamba1, "install", lambda model: 0)  # the upstream torch path, as shipped
     loaded = load_model("m", directory)
     assert loaded.state is None
     assert loaded.reuse_blocker is not None and "differs from one pass" in loaded.reuse_blocker

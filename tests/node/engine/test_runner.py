@@ -12,9 +12,9 @@ from cache.arena import Scope
 from node.engine.forward import Forward
 from node.engine.kernel_operands import NativeLayer
 from node.engine.loader import LoadedModel, load_model
-from node.engine.runner import GenerationRequest, Runner
+from node.engine.runner import GenerationRequest, ModelRunner
 from node.engine.sampling import SamplingParams
-from tests.node.engine.runners import sealed_runner
+from tests.node.engine.runners import prompt_logits, sealed_runner
 from tests.numeric import relative_error
 
 TOLERANCE = 1e-4  # of the largest |logit| (tests/numeric.py); float32 logits are of order 1 to 10
@@ -38,16 +38,16 @@ def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(100, 30000, (n,), generator=generator).tolist()
 
 
-def fresh_runner(loaded: LoadedModel) -> Runner:
+def fresh_runner(loaded: LoadedModel) -> ModelRunner:
     return sealed_runner(loaded, prefill_chunk=64)
 
 
 def test_resume_at_the_end_of_a_cached_prompt(loaded: LoadedModel) -> None:
     runner = fresh_runner(loaded)
     a, b = tokens(1, 300), tokens(2, 40)
-    _, restored = runner.prompt_logits(SCOPE, a)
+    _, restored = prompt_logits(runner, SCOPE, a)
     assert restored == 0
-    logits, restored = runner.prompt_logits(SCOPE, a + b)
+    logits, restored = prompt_logits(runner, SCOPE, a + b)
     assert restored == 300
     assert relative_error(logits, full_pass_logits(loaded, a + b)) <= TOLERANCE
 
@@ -55,29 +55,29 @@ def test_resume_at_the_end_of_a_cached_prompt(loaded: LoadedModel) -> None:
 def test_resume_in_the_middle_of_a_cached_prompt(loaded: LoadedModel) -> None:
     runner = fresh_runner(loaded)
     a, c, b = tokens(3, 200), tokens(4, 150), tokens(5, 30)
-    runner.prompt_logits(SCOPE, a + c)
-    logits, restored = runner.prompt_logits(SCOPE, a + b)  # diverges 200 tokens into a 350-token span
+    prompt_logits(runner, SCOPE, a + c)
+    logits, restored = prompt_logits(runner, SCOPE, a + b)  # diverges 200 tokens into a 350-token span
     assert restored == 200
     assert relative_error(logits, full_pass_logits(loaded, a + b)) <= TOLERANCE
     # The split left both branches usable: the first prompt resumes whole (all but its last token).
-    logits, restored = runner.prompt_logits(SCOPE, a + c)
+    logits, restored = prompt_logits(runner, SCOPE, a + c)
     assert restored == 349
     assert relative_error(logits, full_pass_logits(loaded, a + c)) <= TOLERANCE
 
 
 def test_chunked_prefill_equals_one_pass(loaded: LoadedModel) -> None:
     prompt = tokens(6, 333)
-    logits, _ = Runner(loaded, None, prefill_chunk=50).prompt_logits(SCOPE, prompt)
+    logits, _ = prompt_logits(ModelRunner(loaded, None, prefill_chunk=50), SCOPE, prompt)
     assert relative_error(logits, full_pass_logits(loaded, prompt)) <= TOLERANCE
 
 
-def generate(runner: Runner, prompt: list[int], max_tokens: int = 20, scope: Scope = SCOPE) -> list[int]:
+def generate(runner: ModelRunner, prompt: list[int], max_tokens: int = 20, scope: Scope = SCOPE) -> list[int]:
     request = GenerationRequest(scope, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     return runner.generate(request, emit=lambda _: None, cancelled=lambda: False).output_ids
 
 
 def test_greedy_output_is_identical_with_reuse_on_and_off(loaded: LoadedModel) -> None:
-    reuse, plain = fresh_runner(loaded), Runner(loaded, None)
+    reuse, plain = fresh_runner(loaded), ModelRunner(loaded, None)
     history = tokens(7, 120)
     for turn in range(4):
         history = history + tokens(10 + turn, 25)
@@ -113,8 +113,8 @@ def test_cancellation_stops_decoding_and_keeps_the_prompt_state(loaded: LoadedMo
 def test_another_scope_never_continues_from_the_working_buffers(loaded: LoadedModel) -> None:
     runner = fresh_runner(loaded)
     prompt = tokens(12, 80)
-    runner.prompt_logits(SCOPE, prompt)
-    logits, restored = runner.prompt_logits(Scope("bob", "small"), prompt + [7])
+    prompt_logits(runner, SCOPE, prompt)
+    logits, restored = prompt_logits(runner, Scope("bob", "small"), prompt + [7])
     assert restored == 0
     assert relative_error(logits, full_pass_logits(loaded, prompt + [7])) <= TOLERANCE
 
@@ -126,7 +126,7 @@ def test_a_prefix_restored_after_another_callers_request_is_read_where_it_is_sto
     if loaded.forward.decoder is None:
         pytest.skip(f"the native forward is not loaded: {loaded.forward.reason}")
     assert loaded.state is not None
-    reuse, plain = fresh_runner(loaded), Runner(loaded, None)
+    reuse, plain = fresh_runner(loaded), ModelRunner(loaded, None)
     history = tokens(21, 150)
     generate(reuse, history)
     generate(reuse, tokens(22, 90), scope=Scope("bob", "small"))
@@ -142,7 +142,7 @@ def test_a_prefix_restored_after_another_callers_request_is_read_where_it_is_sto
     got = generate(reuse, follow)
     assert got == generate(plain, follow)
     assert max(pieces_seen) > 1  # the first forward attended over stored pieces and new tokens
-    logits, restored = reuse.prompt_logits(SCOPE, follow + got + tokens(24, 20))
+    logits, restored = prompt_logits(reuse, SCOPE, follow + got + tokens(24, 20))
     assert restored > len(follow)
     assert relative_error(logits, full_pass_logits(loaded, follow + got + tokens(24, 20))) <= TOLERANCE
 
@@ -152,7 +152,7 @@ def test_without_reuse_the_prefill_is_not_cut_for_snapshots(small_model_dir: Pat
     from node.engine.synthetic import init_model
 
     hybrid = load_model("h", init_model("bamba", tmp_path / "h", size="small"))
-    plain = Runner(hybrid, None, prefill_chunk=1024)
+    plain = ModelRunner(hybrid, None, prefill_chunk=1024)
     lengths: list[int] = []
     prefill = Forward.prefill
     monkeypatch.setattr(Forward, "prefill", lambda self, ids, start, cache: lengths.append(len(ids))
@@ -177,7 +177,7 @@ def test_cached_writes_count_the_whole_new_span_when_snapshots_cut_it(tmp_path: 
 
 
 def test_a_reply_is_remembered_only_where_its_text_is_exactly_its_ids(loaded: LoadedModel) -> None:
-    for runner in (fresh_runner(loaded), Runner(loaded, None)):  # with reuse off too: the same prompts
+    for runner in (fresh_runner(loaded), ModelRunner(loaded, None)):  # with reuse off too: the same prompts
         prompt = tokens(31, 24)
         plain = runner.generate(GenerationRequest(SCOPE, prompt, SamplingParams(8, 0.0)), emit=lambda _: None,
                                 cancelled=lambda: False)

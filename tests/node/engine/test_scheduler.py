@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -98,3 +100,45 @@ async def test_a_cancelled_waiting_job_leaves_the_queue_at_once_and_frees_its_pl
     finally:
         runner.release.set()
         queue.stop()
+
+
+@dataclass(eq=False)
+class Planned:
+    """What the scheduler reads of a running sequence to plan a step."""
+
+    position: int
+    stops: list[int]
+    decoding: bool = False
+    donor: object | None = None
+    finish_reason: str | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.decoding and bool(self.stops)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+def test_a_step_plan_follows_prefills_within_the_budget_decodes_and_retires() -> None:
+    """Two decoding rows leave STEP_TOKENS - 2 of the budget to chunks, taken in turns: c's first (64), d's only
+    one (50, which completes its prompt, so d decodes in the same step), then c's second would pass the budget.
+    A follower runs no chunk; a request cancelled while prefilling retires."""
+    queue = scheduler.Scheduler(SimpleNamespace(prefill_chunk=64), max_queue=4)  # type: ignore[arg-type]
+    a, b = Planned(10, [], decoding=True), Planned(20, [], decoding=True)
+    c, d = Planned(0, [64, 128, 192]), Planned(114, [164])
+    e, f = Planned(0, [64], donor=a), Planned(0, [64])
+    cancelled = threading.Event()
+    cancelled.set()
+    queue._running = [(SimpleNamespace(cancel_event=cancelled if seq is f else threading.Event()), seq)  # type: ignore[misc]
+                      for seq in (a, b, c, d, e, f)]
+    assert scheduler.STEP_TOKENS - 2 < 64 + 50 + 64
+    plan = queue._plan()
+    assert plan == scheduler.StepPlan(follow=(e,), prefill=(c, d), decode=(a, b, d), retire=(f,))  # type: ignore[arg-type]
+    assert f.finish_reason == "cancelled"
+    queue._running = [(SimpleNamespace(cancel_event=threading.Event()), seq) for seq in (c, d)]  # type: ignore[misc]
+    # Nobody decodes: a wave's worth (PREFILL_PER_RUNNING per running request), so c's three chunks and d's one,
+    # the turns going on from the last step's; both prompts complete, and both decode.
+    assert scheduler.PREFILL_PER_RUNNING * 2 >= 64 * 3 + 50
+    assert queue._plan() == scheduler.StepPlan(prefill=(c, d, c, c), decode=(c, d))  # type: ignore[arg-type]

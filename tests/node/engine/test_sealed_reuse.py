@@ -12,7 +12,7 @@ import torch
 from cache.arena import Scope, SealCost, StateArena, new_prefix_cache
 from cache.budget import CacheBudget
 from node.engine.loader import LoadedModel, load_model
-from node.engine.runner import GenerationRequest, Runner
+from node.engine.runner import GenerationRequest, ModelRunner
 from node.engine.sampling import SamplingParams
 from node.engine.synthetic import init_model
 from tests.node.engine.runners import sealed_runner
@@ -32,11 +32,11 @@ def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(100, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def sealing_runner(loaded: LoadedModel, **kwargs: Any) -> Runner:
+def sealing_runner(loaded: LoadedModel, **kwargs: Any) -> ModelRunner:
     return sealed_runner(loaded, prefill_chunk=64, **kwargs)
 
 
-def run(runner: Runner, scope: Scope, prompt: list[int], retain: bool = True, boundaries: tuple[int, ...] = ()
+def run(runner: ModelRunner, scope: Scope, prompt: list[int], retain: bool = True, boundaries: tuple[int, ...] = ()
         ) -> tuple[list[int], int, int]:
     """(output ids, cached reads, cached writes); settles after the reply as the scheduler does."""
     result = runner.generate(GenerationRequest(scope, prompt, SamplingParams(8, 0.0), boundaries, retain),
@@ -45,13 +45,13 @@ def run(runner: Runner, scope: Scope, prompt: list[int], retain: bool = True, bo
     return result.output_ids, result.cached_read_tokens, result.cached_write_tokens
 
 
-def arena_of(runner: Runner) -> StateArena:
+def arena_of(runner: ModelRunner) -> StateArena:
     assert runner.reuse.arena is not None
     return runner.reuse.arena
 
 
 def test_a_sealed_hit_equals_reuse_off(loaded: LoadedModel) -> None:
-    sealed, plain = sealing_runner(loaded), Runner(loaded, None)
+    sealed, plain = sealing_runner(loaded), ModelRunner(loaded, None)
     history = tokens(1, 150)
     first, _, written = run(sealed, ALICE, history, boundaries=(60,))
     assert written == 150
@@ -66,7 +66,7 @@ def test_a_sealed_hit_equals_reuse_off(loaded: LoadedModel) -> None:
 
 @pytest.mark.parametrize("tamper", ["flipped", "moved", "other scope"])
 def test_an_entry_that_fails_to_open_is_dropped_counted_and_recomputed(loaded: LoadedModel, tamper: str) -> None:
-    sealed, plain = sealing_runner(loaded), Runner(loaded, None)
+    sealed, plain = sealing_runner(loaded), ModelRunner(loaded, None)
     history = tokens(4, 120)
     run(sealed, ALICE, history, boundaries=(60,))
     run(sealed, ALICE, history[:40] + tokens(9, 60))  # a second branch: two sealed spans of alice's to swap
@@ -92,7 +92,7 @@ def test_an_entry_that_fails_to_open_is_dropped_counted_and_recomputed(loaded: L
 
 
 def test_a_sealed_hits_rows_open_layer_by_layer_while_its_first_chunk_runs(loaded: LoadedModel) -> None:
-    sealed, plain = sealing_runner(loaded), Runner(loaded, None)
+    sealed, plain = sealing_runner(loaded), ModelRunner(loaded, None)
     history = tokens(10, 150)
     first, _, _ = run(sealed, ALICE, history, boundaries=(60,))
     run(sealed, BOB, tokens(11, 70))
@@ -118,7 +118,7 @@ def test_a_sealed_hits_rows_open_layer_by_layer_while_its_first_chunk_runs(loade
 
 def test_a_sealed_span_cut_short_by_the_prompt_opens_past_the_cut_before_its_first_chunk_writes_there(
         loaded: LoadedModel) -> None:
-    sealed, plain = sealing_runner(loaded), Runner(loaded, None)
+    sealed, plain = sealing_runner(loaded), ModelRunner(loaded, None)
     history = tokens(13, 150)
     run(sealed, ALICE, history, boundaries=(60,))
     run(sealed, BOB, tokens(14, 70))
@@ -142,8 +142,8 @@ def test_retention_none_stores_nothing_and_leaves_no_working_state(loaded: Loade
     _, _, written = run(sealed, ALICE, prompt, retain=False)
     arena = arena_of(sealed)
     assert written == 0 and len(arena) == 0
-    assert loaded.state is not None
-    pool = loaded.state._pools[0]._buffers
+    assert sealed.reuse.lanes is not None
+    pool = sealed.reuse.lanes._pools[0]._buffers
     assert pool and all(not buffer[:, :, :108].any() for buffer in pool.values())  # the rows it wrote, wiped
     assert run(sealed, ALICE, prompt)[1] == 0
 
@@ -153,23 +153,24 @@ def test_a_wipe_of_an_idle_lane_gives_way_to_waiting_work_and_a_later_settle_fin
     sealed = sealing_runner(loaded)
     sealed.generate(GenerationRequest(ALICE, tokens(9, 300), SamplingParams(8, 0.0), (), False),
                     emit=lambda _: None, cancelled=lambda: False)
-    assert loaded.state is not None
-    pool = loaded.state._pools[0]
-    monkeypatch.setattr("cache.working_cache.WIPE_BATCH_BYTES", 64 * pool.row_bytes)
+    lanes = sealed.reuse.lanes
+    assert lanes is not None
+    pool = lanes._pools[0]
+    monkeypatch.setattr("cache.lanes.WIPE_BATCH_BYTES", 64 * pool.row_bytes)
     looks: list[int] = []
 
     def stop() -> bool:  # a request arrives after the first batch of rows
         looks.append(1)
         return len(looks) > 1
 
-    dirty = sealed.reuse._dirty[0]
+    dirty = lanes.written(0)
     assert dirty >= 300
     sealed.settle(stop)
-    assert sealed.reuse._dirty[0] == dirty - 64  # what is left to zero
+    assert lanes.written(0) == dirty - 64  # what is left to zero
     for buffer in pool._buffers.values():
         assert buffer[:, :, :dirty - 64].any() and not buffer[:, :, dirty - 64:dirty].any()
     sealed.settle()
-    assert sealed.reuse._dirty[0] == 0 and all(not buffer[:, :, :dirty].any() for buffer in pool._buffers.values())
+    assert lanes.written(0) == 0 and all(not buffer[:, :, :dirty].any() for buffer in pool._buffers.values())
 
 
 def test_a_removed_caller_leaves_zeros_and_no_key(loaded: LoadedModel) -> None:
@@ -178,8 +179,8 @@ def test_a_removed_caller_leaves_zeros_and_no_key(loaded: LoadedModel) -> None:
     arena = arena_of(sealed)
     blobs = [entry.span.sealed.blob.data for entry in arena._entries.values() if entry.span.sealed is not None]
     assert blobs and all(any(blob) for blob in blobs)
-    assert loaded.state is not None
-    pool = loaded.state._pools[0]._buffers
+    assert sealed.reuse.lanes is not None
+    pool = sealed.reuse.lanes._pools[0]._buffers
     assert all(buffer[:, :, :98].any() for buffer in pool.values())  # alice's working cache is hot
     sealed.drop_caller("alice")
     assert all(not any(blob) for blob in blobs) and len(arena) == 0
@@ -194,15 +195,15 @@ def test_the_cost_of_sealing_is_measured_at_load_and_these_models_keep_their_sta
     assert cost.model_worth_sealing  # a CPU computes a token slower than it opens the token's state
 
 
-def dropping_runner(loaded: LoadedModel, plaintext_bytes: int = 0) -> Runner:
+def dropping_runner(loaded: LoadedModel, plaintext_bytes: int = 0) -> ModelRunner:
     """As on a fast device: a token computes faster than its state opens."""
     prefix_cache = new_prefix_cache(CacheBudget(1 << 30, 1 << 30), plaintext_bytes=plaintext_bytes)
-    return Runner(loaded, prefix_cache, prefill_chunk=64, seal_cost=SealCost(1.0, 1e-9, 1 << 20, 256))
+    return ModelRunner(loaded, prefix_cache, prefill_chunk=64, seal_cost=SealCost(1.0, 1e-9, 1 << 20, 256))
 
 
 def test_a_model_cheaper_to_compute_than_to_open_stores_nothing_and_bills_no_cached_writes(loaded: LoadedModel
                                                                                          ) -> None:
-    dropping, plain = dropping_runner(loaded), Runner(loaded, None)
+    dropping, plain = dropping_runner(loaded), ModelRunner(loaded, None)
     history = tokens(6, 100)
     first, restored, written = run(dropping, ALICE, history, boundaries=(60,))
     assert (restored, written, len(arena_of(dropping))) == (0, 0, 0)
@@ -212,7 +213,7 @@ def test_a_model_cheaper_to_compute_than_to_open_stores_nothing_and_bills_no_cac
 
 
 def test_with_a_hot_tier_such_state_is_stored_and_dropped_where_it_would_be_sealed(loaded: LoadedModel) -> None:
-    dropping, plain = dropping_runner(loaded, plaintext_bytes=1), Runner(loaded, None)
+    dropping, plain = dropping_runner(loaded, plaintext_bytes=1), ModelRunner(loaded, None)
     arena = arena_of(dropping)
     history = tokens(8, 100)
     first, _, written = run(dropping, ALICE, history, boundaries=(60,))
