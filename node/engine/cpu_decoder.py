@@ -28,6 +28,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 
 from cache.working_cache import GrowableKVLayer
 from node.engine.cpu_kernels import CpuKernels
+from node.engine.cpu_layout import NativeLinear, TransposedLinear
 from node.engine.kernel_operands import LayerWeights, NativeDecoder, PackedHead
 from node.engine.prediction import Prediction
 
@@ -101,8 +102,8 @@ def unsupported_reason(model: Any) -> str | None:
 class CpuDecoder:
     """Packed copies of a Llama-shaped model's weights and the forward that runs on them.
 
-    The packed weights are a second copy next to the model's own, which other paths (the batched decode step)
-    still read.
+    The packed weights are a copy next to the model's own; once the forward is chosen, the model's linear layers
+    run their short inputs (a batched decode step's rows) on views of them too (`lend_panels`).
     """
 
     def __init__(self, model: Any, kernels: CpuKernels) -> None:
@@ -121,7 +122,8 @@ class CpuDecoder:
         self._embed = body.embed_tokens.weight.detach().contiguous()
         self._final_norm = body.norm.weight.detach().contiguous()
         self._head = kernels.pack_head(model.lm_head.weight, getattr(model.lm_head, "bias", None))
-        self._native = NativeDecoder(self._embed, [self._pack_layer(layer) for layer in body.layers], self.heads,
+        self._layers = [self._pack_layer(layer) for layer in body.layers]
+        self._native = NativeDecoder(self._embed, self._layers, self.heads,
                                      self.kv_heads, self.head_dim, self.eps, self.scale, self._final_norm,
                                      self.final_eps, self._head)
         # One forward runs at a time per model (its worker thread): scratch is allocated once.
@@ -155,6 +157,25 @@ class CpuDecoder:
             gate_up=pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gate_up_bias),
             down=pack(mlp.down_proj.weight, mlp.down_proj.bias),
         )
+
+    def lend_panels(self) -> int:
+        """Give each linear layer of the model's decoder layers (`TransposedLinear`) a view of its columns of these
+        panels (`cpu_layout.NativeLinear`), so that its inputs of up to `NATIVE_ROWS` rows run on the native
+        GEMM without another copy of the weights; returns how many layers took one (a part that does not begin a
+        panel keeps the library's product)."""
+        lent = 0
+        for layer, packed in zip(self._model.model.layers, self._layers, strict=True):
+            attention, mlp = layer.self_attn, layer.mlp
+            parts = [(attention.q_proj, packed.qkv, 0), (attention.k_proj, packed.qkv, attention.q_proj.out_features),
+                     (attention.v_proj, packed.qkv, attention.q_proj.out_features + attention.k_proj.out_features),
+                     (attention.o_proj, packed.output, 0), (mlp.gate_proj, packed.gate_up, 0),
+                     (mlp.up_proj, packed.gate_up, mlp.gate_proj.out_features), (mlp.down_proj, packed.down, 0)]
+            for module, weight, start in parts:
+                view = weight.columns(start, module.out_features)
+                if isinstance(module, TransposedLinear) and view is not None:
+                    module.native = NativeLinear(self._kernels, view)
+                    lent += 1
+        return lent
 
     def _rotary(self, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[tokens, head_dim]` of positions `start..`, from the model's own rotary module. Where they

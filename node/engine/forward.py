@@ -14,7 +14,9 @@ Two backends, chosen once per model at load; the choice and its reason are logge
                  single decode rows (`CpuDecoder.takes`), and the head screened for greedy rows of a batched
                  step. It needs the kernels (built at install, an AVX-512 CPU, not switched off by
                  TENZRO_NATIVE=off), one torch thread, float32, a model class `cpu_decoder.py` implements, room
-                 for its packed weights, and a forward that reproduces the library's, checked at load.
+                 for its packed weights, and a forward that reproduces the library's, checked at load. The
+                 linear layers of a batched step (up to `cpu_layout.NATIVE_ROWS` rows) then run on its panels
+                 too (`scripts/native_ab.py`).
 
 The batched step's attention over each row's own history is the native decode attention wherever the kernels
 run on one thread in float32, whatever the backend (a model class without a CPU decoder still steps its rows
@@ -197,6 +199,7 @@ def _cpu_decoder(model: Any, found: KernelsFound) -> tuple[CpuDecoder | None, st
     decoder = CpuDecoder(model, found.kernels)
     if not decoder.agrees_with_model():
         return None, "the native forward failed its check against transformers' forward at load"
+    decoder.lend_panels()  # after the check, which compares the native forward with the library's own
     return decoder, f"{found.reason}, checked against transformers' forward at load"
 
 

@@ -33,6 +33,10 @@ class RowsAt:
     kv_heads: int
 
 
+PANEL_COLUMNS = 32
+"""Output columns per panel of a packed weight (the kernels' `NR`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
     """A linear layer's weight in the kernels' panel layout: `[ceil(out / 32), in, 32]`, 64-byte aligned."""
@@ -41,6 +45,15 @@ class PackedWeight:
     in_features: int
     out_features: int
     bias: torch.Tensor | None
+
+    def columns(self, start: int, width: int) -> PackedWeight | None:
+        """Output columns `[start, start + width)` as a weight of their own: a view of these panels, no copy (a
+        fused projection's parts, such as q, k and v); None unless `start` begins a panel."""
+        if start % PANEL_COLUMNS or not 0 <= start < start + width <= self.out_features:
+            return None
+        end = min(self.data.numel(), -(-(start + width) // PANEL_COLUMNS) * PANEL_COLUMNS * self.in_features)
+        bias = None if self.bias is None else self.bias[start:start + width]
+        return PackedWeight(self.data[start * self.in_features:end], self.in_features, width, bias)
 
 
 @dataclass(frozen=True, slots=True)

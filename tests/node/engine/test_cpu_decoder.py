@@ -15,7 +15,7 @@ from cache.working_cache import GrowableKVLayer
 from node.engine import forward
 from node.engine.cpu_decoder import PIECE_TOKENS, CpuDecoder
 from node.engine.cpu_kernels import CpuKernels
-from node.engine.cpu_layout import transpose_linear_weights
+from node.engine.cpu_layout import NATIVE_ROWS, NativeLinear, transpose_linear_weights
 from node.engine.loader import load_model
 from node.engine.prediction import Logits
 from node.engine.synthetic import init_model
@@ -152,3 +152,40 @@ def test_a_decoder_that_disagrees_with_transformers_is_not_used(
     assert loaded.forward.decoder is None and loaded.state is not None
     assert loaded.forward.reason == "the native forward failed its check against transformers' forward at load"
 
+
+class CountingKernels:
+    """The kernels, counting the GEMMs run through them."""
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.kernels, self.calls = kernels, 0
+
+    def gemm(self, *args: object, **kwargs: object) -> None:
+        self.calls += 1
+        self.kernels.gemm(*args, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("variant", [{}, {"attention_bias": True, "mlp_bias": True}])
+def test_lent_panels_give_each_layer_its_own_product_up_to_native_rows(kernels: CpuKernels,
+                                                                        variant: dict[str, object]) -> None:
+    """Each linear layer multiplies inputs of up to NATIVE_ROWS rows on its columns of the decoder's fused panels
+    (q, k and v of one panel set; gate and up of another), as the library would, and longer inputs as before."""
+    model = llama(**variant)
+    decoder = CpuDecoder.build(model, kernels)
+    assert decoder is not None and decoder.lend_panels() == 3 * 7
+    generator = torch.Generator().manual_seed(5)
+    for layer in model.model.layers:
+        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            lent = module.native
+            counting = CountingKernels(kernels)
+            module.native = NativeLinear(counting, lent.weight)  # type: ignore[arg-type]
+            for rows in (1, 8, NATIVE_ROWS, NATIVE_ROWS + 1):
+                x = torch.randn(rows, 1, module.in_features, generator=generator)
+                with torch.inference_mode():
+                    got = module(x)
+                    module.native = None
+                    expected = module(x)
+                    module.native = NativeLinear(counting, lent.weight)  # type: ignore[arg-type]
+                assert got.shape == (rows, 1, module.out_features)
+                assert relative(got, expected) <= 1e-5
+            assert counting.calls == 3  # not the input of NATIVE_ROWS + 1 rows
