@@ -213,7 +213,7 @@ class ModelStateAdapter:
     def span_rows(self, cache: DynamicCache, index: int, keys: torch.Tensor, values: torch.Tensor, count: int,
                   spare: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Room for `count` new K/V rows of layer `index` after its current length, to be written by the caller
-        (`keys`/`values` give heads, head dim and dtype), and the cache row they start at: views of the
+        (`keys`/`values` give heads, head dim, dtype and device), and the cache row they start at: views of the
         working buffers, extended by up to `spare` rows the buffers hold past them (the layer's length grows by
         `count` only); for a layer without buffers, fresh tensors of `count` rows that `finish_rows` appends."""
         layer = cache.layers[index]
@@ -221,10 +221,10 @@ class ModelStateAdapter:
         value_shape = (1, values.shape[1], count, values.shape[3])
         if isinstance(layer, GrowableKVLayer):
             # Shapes only: one row, expanded without copying.
-            key_like = torch.empty((1, keys.shape[1], 1, keys.shape[3]), dtype=keys.dtype).expand(key_shape)
-            value_like = torch.empty((1, values.shape[1], 1, values.shape[3]), dtype=values.dtype).expand(value_shape)
+            key_like = keys.new_empty((1, keys.shape[1], 1, keys.shape[3])).expand(key_shape)
+            value_like = values.new_empty((1, values.shape[1], 1, values.shape[3])).expand(value_shape)
             return layer.write_rows(key_like, value_like, spare)
-        rows = torch.empty(key_shape, dtype=keys.dtype), torch.empty(value_shape, dtype=values.dtype)
+        rows = keys.new_empty(key_shape), values.new_empty(value_shape)
         self._unwritten.append((layer, rows))
         return rows[0], rows[1], 0
 

@@ -28,6 +28,7 @@ import torch
 from cache.adapters import ModelStateAdapter, Snapshot, SpanState, state_bytes
 from cache.blob_memory import BlobMemory
 from cache.budget import CacheBudget
+from cache.device_copy import PAGEABLE
 from cache.opening import Opening, SealedEntryError
 from cache.prefix_cache import ColdPass, PrefixCache
 from cache.scope import Scope, SpanHandle
@@ -159,6 +160,8 @@ class StateArena:
         """Plaintext opened for the current request outside the working buffers; zeroed by `wipe_scratch`."""
         self.memory = BlobMemory()
         """Where ciphertext goes: slabs reserved at start (`new_prefix_cache`), else memory of its own."""
+        self.host_copies = PAGEABLE
+        """How state on a device reaches the cipher (host staging, pinned or not): the node sets it at start."""
 
     def register_model(self, model: str, adapter: ModelStateAdapter, cost: SealCost | None = None) -> None:
         """`cost` None: every entry of the model is worth sealing."""
@@ -283,7 +286,7 @@ class StateArena:
             return part.plain
         assert part.sealed is not None and part.origin is not None and self.sealer is not None
         try:
-            opened = open_payload(self.sealer, entry.scope, part.origin, part.sealed)
+            opened = open_payload(self.sealer, entry.scope, part.origin, part.sealed, self.host_copies)
         except SealError:
             self.open_failures += 1
             raise SealedEntryError([handle]) from None
@@ -341,7 +344,8 @@ class StateArena:
         assert span.sealed is not None and span.origin is not None and self.sealer is not None
         lo = span.window[0]  # a split span is a window on the sealed tensors' rows
         open_span(self.sealer, span.sealed, entry.scope, span.origin, adapter, cache, (lo + start, lo + take),
-                  handle=handle, opening=opening, last=last, wrote=self._wrote, failed=self._count_failure)
+                  handle=handle, opening=opening, last=last, wrote=self._wrote, failed=self._count_failure,
+                  host_copies=self.host_copies)
 
     def _wrote(self, row: int) -> None:
         self.written = max(self.written, row)
@@ -395,7 +399,7 @@ class StateArena:
         """Seal one part (`seal_payload`); False (nothing changed) when `stop()` interrupts it."""
         assert self.sealer is not None
         place = Place(handle, entry.start, entry.end, kind)
-        sealed = seal_payload(self.sealer, self.memory, entry.scope, place, part.plain, stop)
+        sealed = seal_payload(self.sealer, self.memory, entry.scope, place, part.plain, stop, self.host_copies)
         if sealed is None:
             return False
         self._add(part, -1)

@@ -70,7 +70,7 @@ class BufferPool:
                 or held.shape[:2] + held.shape[3:] != shape[:2] + shape[3:] or held.shape[2] < shape[2]):
             rows = -(-shape[2] // ROWS_GRAIN) * ROWS_GRAIN
             fresh = like.new_empty((*shape[:2], rows, *shape[3:]))
-            for hook in FRESH_BUFFER_HOOKS:
+            for hook in FRESH_BUFFER_HOOKS if fresh.device.type == "cpu" else ():  # host pages only
                 hook(fresh.data_ptr(), fresh.numel() * fresh.element_size())
             if keep and held is not None:
                 fresh[:, :, :keep].copy_(held[:, :, :keep])

@@ -19,6 +19,7 @@ import torch
 
 from cache.adapters import KVPiece, ModelStateAdapter, RecurrentPiece
 from cache.blob_memory import Blob, BlobMemory
+from cache.device_copy import PAGEABLE, HostCopies, to_device, to_host
 from cache.opening import Opening, SealedEntryError
 from cache.scope import Scope, SpanHandle
 from cache.sealing import TAG_BYTES, Place, Sealer, SealError
@@ -98,12 +99,18 @@ def _bytes(tensor: torch.Tensor) -> Any:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
+def _on(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor of `meta`'s shape and dtype on `device`, one element expanded (nothing allocated per row)."""
+    return torch.empty((), dtype=meta.dtype, device=device).expand(meta.shape)
+
+
 def _place(copies: list[tuple[torch.Tensor, torch.Tensor, int, int]], start: int, take: int) -> None:
-    """Copy rows `[start, take)` of blocks opened into scratch (scratch, its head's rows, block's first and end
-    row) into place, and zero the scratch."""
+    """Copy rows `[start, take)` of blocks opened into scratch (scratch, its target's rows from `start` on, the
+    scratch's first and end row; rows on dim -2: a head's block, or all heads' rows staged for a device) into
+    place, and zero the scratch."""
     for scratch, row_target, first, end in copies:
         low, high = max(first, start), min(end, take)
-        row_target[low - start:high - start].copy_(scratch[low - first:high - first])
+        to_device(scratch[..., low - first:high - first, :], row_target[..., low - start:high - start, :])
         scratch.zero_()
 
 
@@ -115,49 +122,95 @@ class SealedPayload:
     """The payload's structure with meta tensors: shapes and dtypes, no data."""
     offsets: list[int]
     """Where each message starts in the blob, and its end: one more than the messages."""
+    device: torch.device
+    """Where the plaintext was, and where it opens to."""
+
+
+class _HostSide:
+    """A payload's tensors as the cipher reads them: where they lie in host memory, else staged there one tensor
+    at a time (`HostCopies`), each staging zeroed once its messages are sealed."""
+
+    def __init__(self, tensors: list[torch.Tensor], copies: HostCopies) -> None:
+        self._tensors = tensors
+        self._copies = copies
+        self._staged: dict[int, torch.Tensor] = {}
+
+    def tensor(self, index: int) -> torch.Tensor:
+        tensor = self._tensors[index]
+        if not self._copies.staged(tensor.device):
+            return tensor
+        if index not in self._staged:
+            self._staged[index] = to_host(tensor, self._copies.staging(tuple(tensor.shape), tensor.dtype))
+        return self._staged[index]
+
+    def done_before(self, index: int) -> None:
+        """Zero and let go the staging of the tensors before `index`: their messages are all sealed."""
+        for staged in [staged for staged in self._staged if staged < index]:
+            self._staged.pop(staged).zero_()
+
+    def wipe(self) -> None:
+        self.done_before(len(self._tensors))
 
 
 def seal_payload(sealer: Sealer, memory: BlobMemory, scope: Scope, place: Place, plain: Any,
-                 stop: Callable[[], bool]) -> SealedPayload | None:
+                 stop: Callable[[], bool], host_copies: HostCopies = PAGEABLE) -> SealedPayload | None:
     """`plain` sealed under `scope` at `place` into a blob of `memory`, in batches of about `SEAL_BATCH_BYTES`;
     None (the blob wiped, `plain` untouched) when `stop()`, asked between two batches, interrupts it. The caller
-    zeroes the plaintext it replaces."""
+    zeroes the plaintext it replaces; tensors on a device are sealed from host staging (`host_copies`), zeroed
+    here."""
     tensors = payload_tensors(plain)
-    # One head's rows are contiguous also in a view of the working buffers: sealed where they lie.
-    messages = [_bytes(m if m.is_contiguous() else m.contiguous())
-                for t in tensors for m in (_part(t, b) for b in _blocks(t))]
-    blob = memory.blob(sum(m.nbytes for m in messages) + TAG_BYTES * len(messages))
+    parts = [(index, block) for index, t in enumerate(tensors) for block in _blocks(t)]
+    sizes = [_part(tensors[index], block).nbytes for index, block in parts]
+    blob = memory.blob(sum(sizes) + TAG_BYTES * len(sizes))
     nonces: list[bytes] = []
     offset = 0
-    for first, last in _batches([m.nbytes for m in messages], SEAL_BATCH_BYTES):
-        if first and stop():
-            blob.wipe()
-            return None  # the nonces it took are never used again
-        batch = messages[first:last]
-        end = offset + sum(m.nbytes + TAG_BYTES for m in batch)
-        nonces += sealer.seal(scope, place, batch, memoryview(blob.data)[offset:end], first=first)
-        offset = end
+    host = _HostSide(tensors, host_copies)
+    try:
+        for first, last in _batches(sizes, SEAL_BATCH_BYTES):
+            if first and stop():
+                blob.wipe()
+                return None  # the nonces it took are never used again
+            # One head's rows are contiguous also in a view of the working buffers: sealed where they lie.
+            batch = [_bytes(m if m.is_contiguous() else m.contiguous())
+                     for m in (_part(host.tensor(index), block) for index, block in parts[first:last])]
+            end = offset + sum(m.nbytes + TAG_BYTES for m in batch)
+            nonces += sealer.seal(scope, place, batch, memoryview(blob.data)[offset:end], first=first)
+            offset = end
+            host.done_before(parts[last - 1][0])
+    finally:
+        host.wipe()
     skeleton = map_payload(plain, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
-    offsets = list(itertools.accumulate([0] + [m.nbytes + TAG_BYTES for m in messages]))
-    return SealedPayload(blob, nonces, skeleton, offsets)
+    offsets = list(itertools.accumulate([0] + [size + TAG_BYTES for size in sizes]))
+    return SealedPayload(blob, nonces, skeleton, offsets, tensors[0].device if tensors else torch.device("cpu"))
 
 
-def open_payload(sealer: Sealer, scope: Scope, origin: Place, sealed: SealedPayload) -> Any:
-    """The whole payload opened into fresh tensors; raises SealError, with what it opened zeroed, when a message
-    does not open under `scope` at `origin`."""
-    opened = map_payload(sealed.skeleton, lambda t: torch.empty(t.shape, dtype=t.dtype))
+def open_payload(sealer: Sealer, scope: Scope, origin: Place, sealed: SealedPayload,
+                 host_copies: HostCopies = PAGEABLE) -> Any:
+    """The whole payload opened into fresh tensors on the device it was sealed from (through host staging,
+    `host_copies`, zeroed here); raises SealError, with what it opened zeroed, when a message does not open under
+    `scope` at `origin`."""
+    staged = host_copies.staged(sealed.device)
+    opened = map_payload(sealed.skeleton, lambda t: host_copies.staging(tuple(t.shape), t.dtype) if staged
+                         else torch.empty(t.shape, dtype=t.dtype))
     outs = [_bytes(_part(t, b)) for t in payload_tensors(opened) for b in _blocks(t)]
     try:
         sealer.run_open(sealer.open_jobs(scope, origin, sealed.nonces, sealed.blob.data, outs))
     except SealError:
         zero_payload(opened)
         raise
-    return opened
+    if not staged:
+        return opened
+    on_device = map_payload(sealed.skeleton, lambda t: torch.empty(t.shape, dtype=t.dtype, device=sealed.device))
+    for host, target in zip(payload_tensors(opened), payload_tensors(on_device), strict=True):
+        to_device(host, target)
+    zero_payload(opened)
+    return on_device
 
 
 def open_span(sealer: Sealer, sealed: SealedPayload, scope: Scope, origin: Place, adapter: ModelStateAdapter,
               cache: Any, rows: tuple[int, int], *, handle: SpanHandle, opening: Opening | None, last: bool,
-              wrote: Callable[[int], None], failed: Callable[[], None]) -> None:
+              wrote: Callable[[int], None], failed: Callable[[], None], host_copies: HostCopies = PAGEABLE
+              ) -> None:
     """Open rows `[start, take)` (`rows`) of a sealed span's tensors into the working cache: whole blocks straight
     into the layers' buffers, a block cut by `start` or `take` through a scratch block. With `opening`, the
     messages of pooled layers are handed to the sealing threads in layer order and left opening there (named
@@ -165,7 +218,8 @@ def open_span(sealer: Sealer, sealed: SealedPayload, scope: Scope, origin: Place
     interpreter lock from it back and forth. `last`: no span is restored after this one. `wrote(row)` hears, before
     anything opens, the end row in the cache of each block opened in place: those rows hold plaintext whether or
     not the opening succeeds. A message opened now that does not open is counted (`failed()`) and raises
-    SealedEntryError naming `handle`."""
+    SealedEntryError naming `handle`. Buffers on a device (`host_copies`) are opened into host staging, all blocks
+    of a layer's keys or values in one, copied to the device where a scratch block would be (then zeroed)."""
     start, take = rows
     offsets = sealed.offsets
     outs, copies, index = [], [], 0
@@ -184,16 +238,28 @@ def open_span(sealer: Sealer, sealed: SealedPayload, scope: Scope, origin: Place
         keys, values = next(pieces), next(pieces)
         # Rows past `take` in the buffers are free (the new tokens or the next span write there): a block
         # that `take` cuts opens in place when it fits, else through a scratch block.
-        *targets, cache_row = adapter.span_rows(cache, layer_index, keys, values, take - start, spare=BLOCK_TOKENS)
+        # The skeleton's meta tensors stand on the device the state opens to: fresh buffers are made there.
+        *targets, cache_row = adapter.span_rows(cache, layer_index, _on(keys, sealed.device),
+                                                _on(values, sealed.device), take - start, spare=BLOCK_TOKENS)
         for meta, target in ((keys, targets[0]), (values, targets[1])):
+            # Rows `[low, low + room)` of the span are writable in `into`, `[heads, rows, head_dim]`.
+            into, low, room = target[0], start, target.shape[2]
+            staged = host_copies.staged(target.device)
+            if staged:  # staging from the first block's first row to the last block's end: every block fits
+                low = start - start % BLOCK_TOKENS
+                room = min(take + (-take) % BLOCK_TOKENS, meta.shape[2]) - low
+                into = host_copies.staging((meta.shape[1], room, meta.shape[-1]), meta.dtype)
+                copies.append((into, target[0], low, low + room))
+                wrote(cache_row + take - start)
             # One byte view of the layer's rows, `[heads, rows, head_dim * itemsize]`: a message's target is
             # a slice of it (a head's rows are contiguous), far cheaper than a tensor view per message.
-            target_bytes = target[0].view(torch.uint8).numpy()
+            target_bytes = into.view(torch.uint8).numpy()
             for head, first, end in _blocks(meta):
                 if end > start and first < take:
-                    if first >= start and end - start <= target.shape[2]:
-                        out = target_bytes[head, first - start:end - start]
-                        wrote(cache_row + end - start)
+                    if first >= low and end - low <= room:
+                        out = target_bytes[head, first - low:end - low]
+                        if not staged:
+                            wrote(cache_row + end - start)
                     else:
                         scratch = torch.empty((end - first, meta.shape[-1]), dtype=meta.dtype)
                         copies.append((scratch, target[0, head], first, end))

@@ -19,6 +19,12 @@ written straight into the rows' buffers by one native call per layer, the rows' 
 attention by address (`RowsCache._write`, `Written`, `_attend_written`): a tensor view per row and layer cost
 more than the attention's own arithmetic saves at 32 rows (BATCHING.md).
 
+On any device but the CPU (or with `BatchedDecode(portable=True)`, which runs that path on a CPU for tests), the
+step uses no CPU-only operator: no native kernels, and no shared rows (their merge needs the log-sum-exp that only
+SDPA's CPU flash kernel returns). Every row attends its whole history through the model's own attention function
+(transformers' SDPA one calls torch's public `scaled_dot_product_attention`, key/value heads shared by query heads
+as when the sequence runs alone), which gives each row the result the shared rows would.
+
 Recurrent layers (Mamba-1/2 scans, gated delta-net, short convs, alone or beside attention) keep one
 position's conv and recurrent states per sequence. For the step they are stacked along the batch (`[B, ...]`),
 the model's own mixers update them for all rows at once, and each row's states are copied back into its own
@@ -343,11 +349,13 @@ AttentionInterface.register(ROWS, _rows_attention)
 
 class BatchedDecode:
     """Batched decode steps of one model (`step`). `kernels`: the native decode attention's, used where they
-    load and torch runs one thread (the kernels are single-threaded)."""
+    load and torch runs one thread (the kernels are single-threaded). `portable`: every step takes the path of a
+    device other than the CPU (no kernels, no shared rows), also on a CPU."""
 
-    def __init__(self, model: Any, kernels: CpuKernels | None = None) -> None:
+    def __init__(self, model: Any, kernels: CpuKernels | None = None, portable: bool = False) -> None:
         self._model = model
         self._kernels = kernels
+        self.portable = portable
         self._work = torch.zeros(0)
         """The native decode attention's scores: zeroed by `wipe_scratch`."""
         configs = {id(c): c for m in model.modules() if isinstance(c := getattr(m, "config", None), PretrainedConfig)}
@@ -392,8 +400,12 @@ class BatchedDecode:
         """Run one token per sequence (`tokens[b]` at `positions[b]` into `caches[b]`), attending each group
         of `shared` rows once for its members; returns the logits `[B, vocab]` in float32 (`[B, 0]` without
         `logits`: the head is not run, only the caches are written). With `hidden`, the final normed hidden
-        states `[B, hidden]` instead, for the caller to score: the model's body runs, its head does not."""
-        rows = _STEP.rows = RowsCache(caches, self._inner, self._sdpa, shared, self._kernels, self._scratch)
+        states `[B, hidden]` instead, for the caller to score: the model's body runs, its head does not. Off
+        the CPU (or `portable`), `shared` is not used: every row attends its whole history."""
+        if self.portable or device.type != "cpu":
+            rows = _STEP.rows = RowsCache(caches, self._inner, self._sdpa)
+        else:
+            rows = _STEP.rows = RowsCache(caches, self._inner, self._sdpa, shared, self._kernels, self._scratch)
         for config in self._configs:
             # transformers builds no mask for an implementation it has no mask function for.
             config._attn_implementation_internal = ROWS

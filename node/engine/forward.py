@@ -109,9 +109,10 @@ class Forward:
                caches: Sequence[DynamicCache], shared: Callable[[], Sequence[Shared]], greedy: Sequence[bool]
                ) -> list[Prediction]:
         """One decode step of each sequence (`tokens[b]` at `positions[b]` into `caches[b]`): one batched forward
-        where they `batches` (`shared()` gives its groups of shared rows), else one forward each."""
+        where they `batches` (`shared()` gives its groups of shared rows, which only a CPU step attends once: off the
+        CPU they are not asked for, `batch_forward`'s portable step), else one forward each."""
         if self.batches(caches):
-            return self.step(batched, tokens, positions, caches, shared(), greedy)
+            return self.step(batched, tokens, positions, caches, self._groups(shared), greedy)
         return [self.prefill([token], position, cache) for token, position, cache in zip(tokens, positions, caches,
                                                                                           strict=True)]
 
@@ -122,8 +123,11 @@ class Forward:
         alone when it is stored)."""
         if not self.batches(caches):
             return False
-        batched.step(tokens, positions, caches, self.device, shared(), logits=False)
+        batched.step(tokens, positions, caches, self.device, self._groups(shared), logits=False)
         return True
+
+    def _groups(self, shared: Callable[[], Sequence[Shared]]) -> Sequence[Shared]:
+        return shared() if self.device.type == "cpu" else ()
 
     def step(self, batched: BatchedDecode, tokens: Sequence[int], positions: Sequence[int],
              caches: Sequence[DynamicCache], shared: Sequence[Shared], greedy: Sequence[bool]) -> list[Prediction]:

@@ -87,7 +87,7 @@ class ReuseManager:
             self.arena = self.prefix_cache.arena
             if seal_cost is None and self.arena.sealer is not None:
                 assert self.lanes is not None
-                seal_cost = measure_seal_cost(loaded, self.arena.sealer, self.lanes)
+                seal_cost = measure_seal_cost(loaded, self.arena.sealer, self.lanes, self.arena.host_copies)
             self.arena.register_model(loaded.model_id, loaded.state, seal_cost)
             self.prefix_cache.register_model(loaded.model_id, loaded.state.needs_snapshots)
         self.seal_cost = seal_cost

@@ -4,7 +4,8 @@ A sealed entry is worth keeping only if opening it is faster than computing its 
 model is slow and the cipher fast, so everything is kept; a small model on a GPU computes a token faster than the
 CPU opens its state, and there an entry is dropped instead of sealed (`SealCost`, `StateArena.seal_cold`).
 Both rates are measured through the paths that serve: the engine's forward for a prefill, and the arena's
-seal and restore with the node's own sealer for opening.
+seal and restore with the node's own sealer for opening: on a device, opening includes the copy from host
+staging to the device (`cache/device_copy.py`), and each round waits for the device before its clock stops.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 import torch
 
 from cache.arena import SealCost, StateArena
+from cache.device_copy import PAGEABLE, HostCopies
 from cache.lanes import Lanes
 from cache.scope import Scope
 from cache.sealing import Sealer
@@ -34,9 +36,11 @@ PROBE_MODEL_SUFFIX = "\0seal-cost"
 
 
 @torch.inference_mode()
-def measure_seal_cost(loaded: LoadedModel, sealer: Sealer, lanes: Lanes) -> SealCost:
+def measure_seal_cost(loaded: LoadedModel, sealer: Sealer, lanes: Lanes, host_copies: HostCopies = PAGEABLE
+                      ) -> SealCost:
     """Prefill random tokens in lane 0 of `lanes`, seal their state under a probe scope and open it into a working
-    cache there, timing both; the probe's state is zeroed and its key destroyed afterwards."""
+    cache there (state on a device through `host_copies`, as the node's arena), timing both; the probe's state is
+    zeroed and its key destroyed afterwards."""
     state = loaded.state
     assert state is not None
     tokens = min(SAMPLE_TOKENS, loaded.context_length - 1)
@@ -47,10 +51,12 @@ def measure_seal_cost(loaded: LoadedModel, sealer: Sealer, lanes: Lanes) -> Seal
         cache, _ = lanes.new_cache(0, tokens)
         started = time.perf_counter()
         loaded.forward.prefill(ids, 0, cache)
+        _finish(loaded.device)
         compute_s.append(time.perf_counter() - started)
     state.materialize(cache)
     scope = Scope("", loaded.model_id + PROBE_MODEL_SUFFIX)
     probe = StateArena(sealer)
+    probe.host_copies = host_copies
     probe.register_model(scope.model, state)
     handle = probe.put(scope, 0, tokens, state.extract(cache, 0, tokens))
     snapshot = handle if state.needs_snapshots else None
@@ -63,6 +69,7 @@ def measure_seal_cost(loaded: LoadedModel, sealer: Sealer, lanes: Lanes) -> Seal
             target, _ = lanes.new_cache(0, tokens)
             started = time.perf_counter()
             probe.restore(state, target, [(handle, tokens)], skip=0, snapshot=snapshot, position=tokens)
+            _finish(loaded.device)
             open_s.append(time.perf_counter() - started)
         nbytes = probe.nbytes(handle)
     finally:
@@ -71,6 +78,12 @@ def measure_seal_cost(loaded: LoadedModel, sealer: Sealer, lanes: Lanes) -> Seal
         probe.wipe_scratch()
         lanes.wipe(0, 0, tokens)
     return SealCost(min(open_s) / nbytes, min(compute_s) / tokens, nbytes, tokens)
+
+
+def _finish(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a CUDA forward returns before it has run)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def more_rounds(rounds: list[float]) -> bool:
