@@ -193,7 +193,7 @@ def _serve(args: argparse.Namespace) -> int:
                                                                plaintext_bytes=config.plaintext_bytes,
                                                                reserve_bytes=config.reserve_bytes,
                                                                compute_threads=args.threads)
-    service = ModelService.create(loaded, prefix_cache, config.limits, reuse_policy)
+    service = ModelService.create(loaded, prefix_cache, config.limits, reuse_policy, config.device_bytes)
     certificate = node_tls.certificate if node_tls else None
     app = create_app(config, config_path, service, metering, identity, policy,
                      hygiene={**hygiene.as_json(), "policy": policy.name}, tls=certificate)
@@ -205,7 +205,7 @@ def _serve(args: argparse.Namespace) -> int:
     forward = loaded.forward
     message = (_how_to_call(args.host, args.port, model_id, new_key, certificate) + _tls_lines(certificate)
                + f"Forward: {forward.backend} ({forward.reason}); TENZRO_NATIVE=off selects the library backend\n"
-               + _lanes_line(service, config.limits.max_running) + _reserve_line(service))
+               + _lanes_line(service, config.limits.max_running) + _reserve_line(service) + _device_line(service))
     try:
         # A client that goes away cancels its handler, which stops its generation (router.edge.EdgeRunner).
         serve(app, args.host, args.port, config.limits.header_timeout_s, started=lambda: print(
@@ -223,6 +223,14 @@ def _reserve_line(service: ModelService) -> str:
     if not sealing["on"]:
         return ""
     return f"Sealed state: {sealing['reserve_bytes'] / 2**20:.0f} MiB of memory reserved (cache.reserve_bytes)\n"
+
+
+def _device_line(service: ModelService) -> str:
+    plan = service.device
+    if plan.copy_mode == "none":
+        return ""
+    return (f"Device: {plan.device_type}, {plan.hot_bytes / 2**20:.0f} MiB of stored state kept in device memory "
+            f"(cache.device_bytes); host copies {plan.copy_mode}: {plan.reason}\n")
 
 
 def _lanes_line(service: ModelService, lanes: int) -> str:
@@ -337,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--arch", default="dense", choices=[*ARCHITECTURE_CLASSES, *MODEL_FAMILIES], metavar="ARCH",
                       help=f"an architecture class: {', '.join(ARCHITECTURE_CLASSES)} (default: dense); or a model "
                            f"family: {', '.join(MODEL_FAMILIES)}")
-    init.add_argument("--size", default="default", choices=["default", "small"])
+    init.add_argument("--size", default="default", choices=["default", "small", "1b"])
     init.add_argument("dir")
     init.set_defaults(func=_models_init)
 

@@ -56,9 +56,10 @@ class Limits:
     default_max_tokens: int = 256
     max_running: int = 32
     """Requests that run at once (each in its own lane of working memory; see node/engine/BATCHING.md)."""
-    prefill_chunk: int = 256
+    prefill_chunk: int | None = None
     """Prompt tokens per prefill chunk: a request arriving while a long prompt prefills waits at most about
-    one chunk per prefilling request before its own prompt's chunks run."""
+    one chunk per prefilling request before its own prompt's chunks run. None: the device's
+    (`node.engine.device.PREFILL_CHUNKS`: 256 on a CPU, 2048 on a GPU)."""
     lane_bytes: int = 2 * GIB
     """Working memory given to the `max_running` lanes at start, in all, per model (`ReuseManager.reserve_lanes`):
     written once then, so the first requests after a start do not fault fresh pages in on their time to first
@@ -83,7 +84,11 @@ class NodeConfig:
     callers: tuple[Caller, ...] = ()
     cache: CacheBudget = field(default_factory=lambda: CacheBudget(node_bytes=4 * GIB, caller_bytes=1 * GIB))
     plaintext_bytes: int = 0
-    """`cache.plaintext_bytes`: stored state kept unsealed (the hot tier) besides the last working cache."""
+    """`cache.plaintext_bytes`: stored state kept unsealed (the hot tier) besides the last working cache, on a
+    node whose state is in host memory (a CPU)."""
+    device_bytes: int | None = None
+    """`cache.device_bytes`: on a GPU, stored state kept unsealed in device memory (the hot tier there). None: a
+    share of the device memory free once the model and lanes are loaded (`node.engine.device.DEVICE_SHARE`)."""
     reserve_bytes: int = 1 * GIB
     """`cache.reserve_bytes`: memory for sealed state, written at start (`cache/blob_memory.py`), so sealing a
     wave's new state does not populate fresh pages on the engine's thread. 0: sealed state takes memory of its
@@ -158,7 +163,8 @@ def parse_config(raw: Any) -> NodeConfig:
         callers.append(Caller(str(name), str(entry["key_sha256"]), entry.get("role", "caller"),
                               entry.get("retention", "keep"), ttl, _requirements(entry, name)))
     defaults = NodeConfig()
-    cache = _section(top.get("cache"), "cache", {"node_bytes", "caller_bytes", "plaintext_bytes", "reserve_bytes"})
+    cache = _section(top.get("cache"), "cache", {"node_bytes", "caller_bytes", "plaintext_bytes", "reserve_bytes",
+                                                  "device_bytes"})
     limits = _section(top.get("limits"), "limits", {"max_queue", "max_body_bytes", "default_max_tokens",
                                                     "max_running", "prefill_chunk", "lane_bytes",
                                                     "header_timeout_s", "body_timeout_s", "max_messages"})
@@ -169,7 +175,7 @@ def parse_config(raw: Any) -> NodeConfig:
                          cache.get("caller_bytes", defaults.cache.caller_bytes))
     return NodeConfig(callers=tuple(callers), cache=budget, plaintext_bytes=cache.get("plaintext_bytes", 0),
                       reserve_bytes=cache.get("reserve_bytes", defaults.reserve_bytes),
-                      limits=replace(defaults.limits, **limits))
+                      device_bytes=cache.get("device_bytes"), limits=replace(defaults.limits, **limits))
 
 
 def load_config(path: Path) -> NodeConfig:
@@ -194,16 +200,19 @@ def _dump_caller(caller: Caller) -> dict[str, Any]:
 
 
 def _dump(config: NodeConfig) -> dict[str, Any]:
+    """The file's mapping; a key left to the device (None) is left out, as it is read back."""
+    cache = {"node_bytes": config.cache.node_bytes, "caller_bytes": config.cache.caller_bytes,
+             "plaintext_bytes": config.plaintext_bytes, "reserve_bytes": config.reserve_bytes,
+             "device_bytes": config.device_bytes}
+    limits = {"max_queue": config.limits.max_queue, "max_body_bytes": config.limits.max_body_bytes,
+              "default_max_tokens": config.limits.default_max_tokens, "max_running": config.limits.max_running,
+              "prefill_chunk": config.limits.prefill_chunk, "lane_bytes": config.limits.lane_bytes,
+              "header_timeout_s": config.limits.header_timeout_s, "body_timeout_s": config.limits.body_timeout_s,
+              "max_messages": config.limits.max_messages}
     return {
         "callers": {c.name: _dump_caller(c) for c in config.callers},
-        "cache": {"node_bytes": config.cache.node_bytes, "caller_bytes": config.cache.caller_bytes,
-                  "plaintext_bytes": config.plaintext_bytes, "reserve_bytes": config.reserve_bytes},
-        "limits": {"max_queue": config.limits.max_queue, "max_body_bytes": config.limits.max_body_bytes,
-                   "default_max_tokens": config.limits.default_max_tokens, "max_running": config.limits.max_running,
-                   "prefill_chunk": config.limits.prefill_chunk, "lane_bytes": config.limits.lane_bytes,
-                   "header_timeout_s": config.limits.header_timeout_s,
-                   "body_timeout_s": config.limits.body_timeout_s,
-                   "max_messages": config.limits.max_messages},
+        "cache": {key: value for key, value in cache.items() if value is not None},
+        "limits": {key: value for key, value in limits.items() if value is not None},
     }
 
 

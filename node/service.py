@@ -20,12 +20,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from attestation.nvml_cc import NvmlLoader, load_pynvml
 from cache.arena import Scope, StateArena
 from cache.prefix_cache import PrefixCache
 from cache.snapshot_policy import SnapshotPolicy
 from cache.summary import ChatForms, completion_prefix_form
 from node.config import Limits
 from node.engine.chat_template import BOUNDARY_MESSAGES, ChatTemplateError, RenderedChat, render_chat
+from node.engine.device import DevicePlan, FreeMemory, plan_device, prefill_chunk
 from node.engine.loader import LoadedModel
 from node.engine.runner import NO_FORMS, GenerationRequest, ModelRunner, PrefixForms
 from node.engine.sampling import SamplingParams
@@ -64,13 +66,26 @@ class ModelService:
     loaded: LoadedModel
     runner: ModelRunner
     scheduler: Scheduler
+    device: DevicePlan
+    """Where stored state lives and how it is copied to and from the host (`GET /v1/node`'s `device`)."""
 
     @classmethod
     def create(cls, loaded: LoadedModel, prefix_cache: PrefixCache | None, limits: Limits,
-               policy: SnapshotPolicy | None = None) -> ModelService:
-        runner = ModelRunner(loaded, prefix_cache, prefill_chunk=limits.prefill_chunk, policy=policy)
+               policy: SnapshotPolicy | None = None, device_bytes: int | None = None,
+               free_memory: FreeMemory | None = None, nvml: NvmlLoader = load_pynvml) -> ModelService:
+        """The runner, its lanes reserved, then the device planned in what memory is left (`plan_device`:
+        `device_bytes` is `cache.device_bytes`; `free_memory`, `nvml` are fakes in tests) and given to the arena:
+        its hot tier's budget and how sealing stages the state on the host."""
+        chunk = prefill_chunk(loaded.device, limits.prefill_chunk)
+        runner = ModelRunner(loaded, prefix_cache, prefill_chunk=chunk, policy=policy)
         runner.reuse.reserve_lanes(limits.max_running, limits.lane_bytes)
-        return cls(loaded, runner, Scheduler(runner, limits.max_queue, limits.max_running))
+        arena = runner.reuse.arena  # None with reuse off: no stored state, so no hot tier
+        plan = plan_device(loaded.device, device_bytes if arena is not None else 0,
+                           arena.plaintext_bytes if arena is not None else 0, free_memory, nvml)
+        if arena is not None:
+            arena.plaintext_bytes = plan.hot_bytes
+            arena.host_copies = plan.host_copies
+        return cls(loaded, runner, Scheduler(runner, limits.max_queue, limits.max_running), plan)
 
     @property
     def model_id(self) -> str:

@@ -27,7 +27,8 @@ routes = web.RouteTableDef()
 async def node_identity(request: web.Request) -> web.Response:
     """Which key signs this node start's records and the digest of the evidence binding it, the digests of the
     code and models it runs (`node.code_identity`), the prices it charges now, its policy, which forward its
-    model runs on (and why), how its engine and sealing are set up,
+    model runs on (and why), where its stored state lives and which host copies it uses (and why), how its
+    engine and sealing are set up,
     the process's hygiene and the TLS certificate it serves with; no key needed, and the same for every key."""
     meter, identity, service = request.app[METER], request.app[IDENTITY], request.app[SERVICE]
     served = identity.served
@@ -48,6 +49,7 @@ async def node_identity(request: web.Request) -> web.Response:
         "prices": {name: wei_to_json(value) for name, value in prices.to_mapping().items()},
         "pricing_error": meter.pricing.reload_error,
         "forward": {"backend": forward.backend, "reason": forward.reason},
+        "device": service.device.describe(),
         "engine": service.engine_config(),
         "sealing": service.sealing_config(),
         "hygiene": request.app[HYGIENE],

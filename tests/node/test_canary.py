@@ -28,6 +28,7 @@ import torch
 from transformers import AutoTokenizer
 
 from node.config import Limits
+from node.engine.device import prefill_chunk
 from node.engine.loader import load_model
 from tests.node.conftest import Node, stop_node, tenzro
 
@@ -246,7 +247,7 @@ def working_cache_rows(model_dir: Path, prompt: list[int]) -> dict[RowKey, bytes
     loaded = load_model(model_dir.name, model_dir)
     assert loaded.state is not None
     cache = loaded.state.working_cache(len(prompt))
-    chunk = Limits().prefill_chunk
+    chunk = prefill_chunk(loaded.device, Limits().prefill_chunk)
     for start in range(0, len(prompt), chunk):
         loaded.forward.prefill(prompt[start:start + chunk], start, cache)
     rows: dict[RowKey, bytes] = {}

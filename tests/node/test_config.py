@@ -57,6 +57,26 @@ def test_config_rejects_unknown_keys_and_bad_values() -> None:
         add_key(Path("/nonexistent/x.yaml"), "bad name!")
 
 
+def test_device_bytes_and_the_prefill_chunk_are_left_to_the_device_unless_set(tmp_path: Path) -> None:
+    """Unset, both are None (`node.engine.device` sizes them at start) and stay unset through a save; set, they are
+    validated like the other keys and kept."""
+    defaults = parse_config({})
+    assert (defaults.device_bytes, defaults.limits.prefill_chunk) == (None, None)
+    path = tmp_path / "node.yaml"
+    add_key(path, "alice")
+    assert "device_bytes" not in path.read_text() and "prefill_chunk" not in path.read_text()
+    assert (load_config(path).device_bytes, load_config(path).limits.prefill_chunk) == (None, None)
+    parsed = parse_config({"cache": {"device_bytes": 0}, "limits": {"prefill_chunk": 512}})
+    assert (parsed.device_bytes, parsed.limits.prefill_chunk) == (0, 512)
+    save_config(path, replace(load_config(path), device_bytes=8 * 1024**3))
+    assert load_config(path).device_bytes == 8 * 1024**3
+    for raw, key in (({"cache": {"device_bytes": -1}}, "cache.device_bytes"),
+                     ({"cache": {"device_bytes": "8GiB"}}, "cache.device_bytes"),
+                     ({"limits": {"prefill_chunk": 0}}, "limits.prefill_chunk")):
+        with pytest.raises(ConfigError, match=key):
+            parse_config(raw)
+
+
 def test_caller_requirements_parse_into_the_caller_and_default_to_none() -> None:
     parsed = parse_config({"callers": {
         "alice": {"key_sha256": "a" * 64, "requirements": {"confidential_hardware": True, "jurisdictions": ["DE", "FR"],

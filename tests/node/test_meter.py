@@ -16,6 +16,7 @@ from metering.signer import NodeSigner
 from node.api.app import create_app
 from node.api.keys import METER
 from node.config import add_key, load_config
+from node.engine.device import plan_device
 from node.engine.loader import load_model
 from node.engine.runner import GenerationRequest, GenerationResult, ModelRunner, Sequence
 from node.engine.sampling import SamplingParams
@@ -158,7 +159,7 @@ async def serve(aiohttp_client, tmp_path: Path, loaded, runner_class: type[Model
     config_path = tmp_path / "node.yaml"
     key = add_key(config_path, "alice")
     runner = runner_class(loaded, None)
-    service = ModelService(loaded, runner, Scheduler(runner, 4))
+    service = ModelService(loaded, runner, Scheduler(runner, 4), plan_device(loaded.device, None, 0))
     app = create_app(load_config(config_path), config_path, service, paths(tmp_path), NodeIdentity.start(),
                      load_node_policy("standard"))
     return await aiohttp_client(app), {"Authorization": f"Bearer {key}"}

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
@@ -326,3 +327,20 @@ def test_a_stream_returns_its_prompt_and_reply_ids_with_its_finish_reason(node_f
     assert (last.choices[0].model_extra or {})["token_ids"] == (plain.choices[0].model_extra or {})["token_ids"]
     assert all("token_ids" not in (chunk.choices[0].model_extra or {}) for chunk in chunks
                if chunk.choices and chunk is not last)
+
+
+def test_the_node_says_where_its_stored_state_lives_and_its_prefill_chunk(node_factory, small_model_dir: Path) -> None:
+    """On a CPU the hot tier is `cache.plaintext_bytes` in host memory and nothing is copied to a device
+    (`cache.device_bytes` is a GPU's); an unset `limits.prefill_chunk` is the CPU's 256."""
+    node = node_factory(small_model_dir, config_text="cache: {plaintext_bytes: 1048576, device_bytes: 4096}\n")
+
+    async def read() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(node.url + "/v1/node") as resp:
+                return dict(await resp.json())
+
+    identity = asyncio.run(read())
+    assert identity["device"] == {"type": "cpu", "hot_bytes": 1048576, "host_copies": "none",
+                                  "reason": "state is in host memory"}
+    assert identity["engine"]["prefill_chunk"] == 256
+    assert "Device:" not in (node.config.parent / "node.log").read_text()
