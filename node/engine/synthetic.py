@@ -102,6 +102,14 @@ SIZES: dict[str, Size] = {
                   mixed_layers=4, attention_period=3, window=16, experts=4, experts_per_token=2,
                   expert_intermediate=32, shared_intermediate=64, ssm_heads=8, ssm_state=16, ssm_chunk=16,
                   init_range=0.1),
+    # For GPU benchmarks: a Llama shape of about 1.10 B parameters, where the chip rather than Python
+    # limits a step. Its hybrid is bamba (12 Mamba2 + 4 attention layers, about 1.29 B): the attention and
+    # MLP blocks are the Llama's and every parameter is read for every token as in the dense model, so the
+    # two differ only in the mixer (granite-moe-hybrid and the MoE families route tokens to some experts
+    # only). Eight experts as wide together as the dense MLP keep the MoE families at the dense total.
+    "1b": Size(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, context=32768,
+               mixed_layers=16, attention_period=4, window=4096, experts=8, experts_per_token=2,
+               expert_intermediate=1024, shared_intermediate=2048, ssm_heads=64, ssm_state=128, ssm_chunk=256),
 }
 
 
@@ -311,14 +319,17 @@ def _trained_tokenizer() -> str:
     return tokenizer.to_str()
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on a seeded corpus: any text encodes, training is deterministic."""
+def build_tokenizer(context: int = SIZES["default"].context) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a seeded corpus: any text encodes, training is deterministic.
+
+    `context` is the model's context length: the tokenizer warns about longer inputs, so a 32k model's
+    tokenizer must not claim a shorter limit."""
     return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_trained_tokenizer()),
         chat_template=CHAT_TEMPLATE,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        model_max_length=max(size.context for size in SIZES.values()),
+        model_max_length=context,
     )
 
 
@@ -337,7 +348,7 @@ def init_model(arch: str, out_dir: Path, size: str = "default") -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=False)
     model.save_pretrained(out_dir)
-    build_tokenizer().save_pretrained(out_dir)
+    build_tokenizer(SIZES[size].context).save_pretrained(out_dir)
     return out_dir
 
 

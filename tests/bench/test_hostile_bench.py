@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,9 @@ import pytest
 from bench.client import BenchError
 from bench.hostile import Row, format_table, loopback_address, summarise
 from bench.hostile_load import Tally
+from bench.local_node import TENZRO
 from node.cli import build_parser
 
-TENZRO = str(Path(sys.executable).parent / "tenzro")
 CASES = ["empty-messages", "slowloris", "two-auth"]
 CONNECTIONS = 3
 HEADER = ["case", "clients", "/health", "p50", "ms", "max", "ms", "chat", "p50", "ms", "max", "ms", "chats", "failed",
@@ -28,7 +27,7 @@ HEADER = ["case", "clients", "/health", "p50", "ms", "max", "ms", "chat", "p50",
 @pytest.fixture(scope="module")
 def run(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("bench-hostile")
-    done = subprocess.run([TENZRO, "bench", "hostile", "--model", str(small_model_dir), "--seconds", "1",
+    done = subprocess.run([*TENZRO, "bench", "hostile", "--model", str(small_model_dir), "--seconds", "1",
                            "--cases", ",".join(CASES), "--clients", "2", "--connections", str(CONNECTIONS),
                            "--json", str(tmp / "hostile.json")],
                           env={**os.environ, "TENZRO_HOME": str(tmp / "home")}, capture_output=True, text=True,

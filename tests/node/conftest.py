@@ -1,4 +1,11 @@
-"""A real node as a subprocess on loopback, driven through the CLI and HTTP only."""
+"""A real node as a subprocess on loopback, driven through the CLI and HTTP only.
+
+`tenzro` runs as `python -m node` of the interpreter running the tests, so the suite runs wherever the project is
+importable (an editable install, or PYTHONPATH on a machine without the project's scripts), as bench/local_node.py
+starts its nodes. TENZRO_TEST_DEVICE (default cpu) names the device the tests that pass `DEVICE_FLAGS` or
+`TEST_DEVICE` serve on (the reuse matrix, the batching tests): `cuda` runs them on the GPU, in float32 there so
+that their exact comparisons hold as on CPU.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,6 @@ import os
 import socket
 import ssl
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +24,13 @@ from typing import Any
 
 import pytest
 
-TENZRO = str(Path(sys.executable).parent / "tenzro")
+from bench.local_node import TENZRO
+
+TEST_DEVICE = os.environ.get("TENZRO_TEST_DEVICE", "cpu")
+TEST_DTYPE = "float32"
+"""Also on CUDA, where the node's default is bfloat16: the tests compare outputs token for token."""
+DEVICE_FLAGS = ("--device", TEST_DEVICE, "--dtype", TEST_DTYPE)
+"""`tenzro node serve` flags of a test that runs on TENZRO_TEST_DEVICE."""
 
 
 def unverified_context() -> ssl.SSLContext:
@@ -47,7 +59,7 @@ def free_port() -> int:
 
 
 def tenzro(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([TENZRO, *args], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([*TENZRO, *args], env=env, capture_output=True, text=True, timeout=300)
 
 
 @dataclass
@@ -94,7 +106,7 @@ def launch_node(tmp: Path, model: Path, *extra: str, config_text: str | None = N
     port = port or free_port()
     with (tmp / "node.log").open("w") as log:
         process = subprocess.Popen(
-            [TENZRO, "node", "serve", "--model", str(model), "--port", str(port), "--config", str(config),
+            [*TENZRO, "node", "serve", "--model", str(model), "--port", str(port), "--config", str(config),
              "--threads", "1", *extra],
             env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     return Node(f"{'https' if '--tls' in extra else 'http'}://127.0.0.1:{port}", process, config, env)

@@ -7,15 +7,14 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench.local_node import TENZRO
 from node.audit_timing import ALPHA, MIN_SAMPLES, Sample, judge, kolmogorov_q, ks_two_sample
 from node.cli import build_parser
 
-TENZRO = str(Path(sys.executable).parent / "tenzro")
 SAMPLES = 12
 LENGTH = 1024
 """Prompt tokens: enough that the small model's miss takes several times a hit. At 256 the native prefill made a
@@ -142,7 +141,7 @@ def test_audit_detects_own_reuse_and_gives_b_none(small_model_dir: Path, tmp_pat
     out = tmp_path / "results" / "audit.json"
     env = {**os.environ, "TENZRO_HOME": str(tmp_path / "home")}
     result = subprocess.run(
-        [TENZRO, "audit", "timing", "--model", str(small_model_dir), "--samples", str(SAMPLES), "--length",
+        [*TENZRO, "audit", "timing", "--model", str(small_model_dir), "--samples", str(SAMPLES), "--length",
          str(LENGTH), "--seed", "7", "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode in (0, 1), result.stderr
 

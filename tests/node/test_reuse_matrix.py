@@ -5,6 +5,9 @@ that real traffic produces run against both: one that appends turns, one that sh
 prompt, and one whose history is edited in the middle. Then four callers run their conversations at once
 against the node with reuse (their requests run together, batched where the model allows): each gets what
 its conversation gets alone on the node without reuse.
+
+The nodes serve on TENZRO_TEST_DEVICE (default cpu; `cuda` runs the matrix on the GPU), in float32 on every device:
+the matrix asks for token-for-token equality, which bfloat16's rounding need not keep between two paths.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import pytest
 from node.engine.cpu_decoder import DECODERS
 from node.engine.cpu_kernels import native_switched_off
 from node.engine.synthetic import ARCHITECTURES, SIZES, init_model
-from tests.node.conftest import Node
+from tests.node.conftest import DEVICE_FLAGS, Node
 
 FAMILIES = ["llama", "mistral", "gemma2", "gemma3", "mixtral", "olmoe", "qwen2-moe", "mamba", "mamba2", "jamba",
             "bamba", "falcon-h1", "granite-moe-hybrid", "lfm2", "qwen3-next"]
@@ -46,7 +49,7 @@ def test_greedy_output_is_identical_with_reuse_on_and_off(family: str, node_fact
     if native_switched_off() and not native_forward(family):
         pytest.skip("no native forward for this family: the pass with the native kernels ran this same code")
     model_dir = init_model(family, tmp_path_factory.mktemp("zoo") / family, size="small")
-    reuse, plain = node_factory.all((model_dir,), (model_dir, "--no-reuse"))
+    reuse, plain = node_factory.all((model_dir, *DEVICE_FLAGS), (model_dir, "--no-reuse", *DEVICE_FLAGS))
     c_reuse, c_plain = client(reuse), client(plain)
     model = model_dir.name
 

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import yaml
 from aiohttp import ClientSession, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from bench.local_node import TENZRO
 from router.edge import EdgeRunner, coding_refusal
 from tests.node.conftest import free_port
 from tests.router.conftest import ALICE_KEY, BOB_KEY, CALLERS, Fleet, closed_url, fake
@@ -28,7 +28,6 @@ from tests.router.test_router_server import chat
 HEAD_S = 0.5
 SLACK_S = 1.5
 """Time past a deadline a close may take on a loaded test machine."""
-TENZRO = str(Path(sys.executable).parent / "tenzro")
 
 
 def headers(*pairs: tuple[str, str]) -> CIMultiDictProxy[str]:
@@ -226,7 +225,7 @@ async def test_the_router_command_listens_through_the_edge(tmp_path: Path) -> No
         "providers": [{"name": "a", "url": closed_url(), "api_key": "k", "models": ["m"]}],
         "callers": CALLERS}))
     port = free_port()
-    process = subprocess.Popen([TENZRO, "router", "serve", "--providers", str(providers), "--port", str(port)],
+    process = subprocess.Popen([*TENZRO, "router", "serve", "--providers", str(providers), "--port", str(port)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

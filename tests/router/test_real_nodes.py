@@ -9,7 +9,6 @@ import hashlib
 import json
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,9 +20,8 @@ import aiohttp
 import pytest
 import yaml
 
-from bench.local_node import LocalNode, free_port
+from bench.local_node import TENZRO, LocalNode, free_port
 
-TENZRO = str(Path(sys.executable).parent / "tenzro")
 CALLER_KEY = "tz-test-caller-key"
 OTHER_KEY = "tz-test-other-caller-key"
 REQUESTS = 24
@@ -71,7 +69,7 @@ def start_router(workdir: Path, providers: dict[str, Any], routing: str) -> tupl
     (workdir / "providers.yaml").write_text(yaml.safe_dump(providers))
     port = free_port()
     with (workdir / "router.log").open("wb") as log:
-        router = subprocess.Popen([TENZRO, "router", "serve", "--providers", str(workdir / "providers.yaml"),
+        router = subprocess.Popen([*TENZRO, "router", "serve", "--providers", str(workdir / "providers.yaml"),
                                    "--port", str(port), "--routing", routing], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     count = len(providers["providers"])

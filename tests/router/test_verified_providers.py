@@ -11,7 +11,6 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -19,10 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bench.local_node import TENZRO
 from tests.node.conftest import Node, NodeFactory, free_port, launch_node, node_view, stop_node, wait_healthy
 from tests.router.test_real_nodes import wait
 
-TENZRO = str(Path(sys.executable).parent / "tenzro")
 CALLER_KEY = "tz-test-verified-router-caller"
 
 
@@ -59,7 +58,7 @@ def start_router(tmp_path: Path, nodes: list[tuple[str, Node]], policy: dict[str
     port = free_port()
     log = tmp_path / "router.log"
     with log.open("wb") as output:
-        router = subprocess.Popen([TENZRO, "router", "serve", "--providers", str(tmp_path / "providers.yaml"),
+        router = subprocess.Popen([*TENZRO, "router", "serve", "--providers", str(tmp_path / "providers.yaml"),
                                    "--port", str(port)], stdout=output, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     wait(lambda: router_health(base).get("providers") == len(nodes), 60, "the router serving")
@@ -88,8 +87,9 @@ def test_the_router_sends_only_to_providers_that_verify_and_drops_a_restarted_on
         text = log.read_text()  # names and reasons are withheld by the log's privacy filter; indices are not
         assert "(providers[0]) verified" in text and "(providers[1]) verified" not in text
         assert "(providers[1]) is down" in text
-        refused = subprocess.run([TENZRO, "client", "verify", other.url, "--trust-policy", str(tmp_path / "trust.yaml"),
-                                  "--allow-none"], capture_output=True, text=True, timeout=60)
+        refused = subprocess.run([*TENZRO, "client", "verify", other.url, "--trust-policy",
+                                  str(tmp_path / "trust.yaml"), "--allow-none"], capture_output=True, text=True,
+                                 timeout=60)
         assert refused.stdout.splitlines()[1].startswith("  model-not-accepted: the node serves small with weights ")
 
         # The genuine node restarts on its address with a new TLS key (its keys file kept): dropped, then verified.

@@ -5,6 +5,9 @@ recurrent and hybrid models run their decode steps as one batched forward (count
 caller's sequences over one system prompt attend its rows once per step, and other callers' never. A long
 prompt does not hold back a short request that arrives while it prefills, and more requests than lanes all
 complete.
+
+The models load on TENZRO_TEST_DEVICE (default cpu; `cuda` runs these tests on the GPU), in float32 on every device:
+outputs are compared token for token. Tests of the native CPU kernels skip on another device.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from node.engine.runner import GenerationRequest, GenerationResult, ModelRunner,
 from node.engine.sampling import SamplingParams
 from node.engine.scheduler import Failed, Finished, Job, Scheduler
 from node.engine.synthetic import init_model
+from tests.node.conftest import TEST_DEVICE, TEST_DTYPE
 from tests.node.engine.runners import sealed_runner
 
 BATCHED = ["llama", "mistral", "gemma2", "qwen2-moe", "granite-moe-hybrid", "falcon-h1"]
@@ -42,6 +46,11 @@ alone or beside attention, and FalconH1's layers that hold both."""
 
 def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(100, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def load(model_id: str, path: Path) -> LoadedModel:
+    """The model on TENZRO_TEST_DEVICE, in float32."""
+    return load_model(model_id, path, device=TEST_DEVICE, dtype=TEST_DTYPE)
 
 
 def reuse_runner(loaded: LoadedModel, prefill_chunk: int = 64) -> ModelRunner:
@@ -76,7 +85,7 @@ async def run_together(runner: ModelRunner, batch: list[GenerationRequest], max_
 
 @pytest.mark.parametrize("family", BATCHED)
 async def test_concurrent_callers_get_what_they_get_alone(family: str, tmp_path: Path) -> None:
-    loaded = load_model(family, init_model(family, tmp_path / family, size="small"))
+    loaded = load(family, init_model(family, tmp_path / family, size="small"))
     batch = requests(loaded.model_id)
     alone = ModelRunner(loaded, None)
     expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
@@ -94,7 +103,7 @@ async def test_concurrent_callers_get_what_they_get_alone(family: str, tmp_path:
 
 
 async def test_more_requests_than_lanes_all_complete(small_model_dir: Path) -> None:
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     batch = requests(loaded.model_id) + [GenerationRequest(Scope("caller-0", loaded.model_id), tokens(40, 50),
                                                            SamplingParams(max_tokens=5, temperature=0.0))]
     alone = ModelRunner(loaded, None)
@@ -104,7 +113,7 @@ async def test_more_requests_than_lanes_all_complete(small_model_dir: Path) -> N
 
 
 async def test_requests_in_reserved_lanes_allocate_nothing_and_get_what_they_get_alone(small_model_dir: Path) -> None:
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     batch = requests(loaded.model_id)
     alone = ModelRunner(loaded, None)
     expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
@@ -128,7 +137,7 @@ async def test_requests_in_reserved_lanes_allocate_nothing_and_get_what_they_get
 async def test_a_step_prefills_128_tokens_per_running_request(small_model_dir: Path) -> None:
     """Four 96-token prompts in chunks of 16: the first step's budget (4 x 128 tokens) computes all four, so every
     decode step runs all four; with one chunk per step they would start decoding one after another."""
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     batch = [GenerationRequest(Scope(f"caller-{i}", loaded.model_id), tokens(50 + i, 96),
                                SamplingParams(max_tokens=5, temperature=0.0)) for i in range(4)]
     alone = ModelRunner(loaded, None)
@@ -163,7 +172,7 @@ async def started(runner: ModelRunner, prompt: list[int], max_tokens: int, max_q
 
 
 async def test_a_short_request_is_not_held_back_by_a_long_prefill(small_model_dir: Path) -> None:
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     async with started(reuse_runner(loaded, prefill_chunk=32), tokens(1, 1500), 1) as (scheduler, long):
         short = scheduler.submit("bob", GenerationRequest(Scope("bob", "small"), tokens(2, 20),
                                                           SamplingParams(max_tokens=3)))
@@ -181,7 +190,7 @@ async def test_a_decoding_request_waits_for_at_most_the_steps_token_budget(
     """While any request decodes, a step prefills what its decoding rows leave of STEP_TOKENS (at least one
     chunk) and admits at most ADMIT_WHILE_DECODING requests; with nobody decoding, a wave's worth."""
     monkeypatch.setattr(scheduler_module, "STEP_TOKENS", 40)
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     runner = reuse_runner(loaded, prefill_chunk=32)
     steps: list[tuple[int, int, int]] = []  # (admitted, prompt tokens prefilled, rows decoded) of each decode step
     pending = {"admitted": 0, "prefilled": 0}
@@ -225,7 +234,7 @@ async def test_a_decoding_request_waits_for_at_most_the_steps_token_budget(
 
 
 async def test_cancelling_a_request_while_its_prompt_prefills_stops_it(small_model_dir: Path) -> None:
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     runner = reuse_runner(loaded, prefill_chunk=16)
     async with started(runner, tokens(3, 1500), 4) as (scheduler, job):
         request = job.request
@@ -243,7 +252,7 @@ async def test_cancelling_a_request_while_its_prompt_prefills_stops_it(small_mod
 async def test_requests_that_end_in_the_same_step_keep_their_state(small_model_dir: Path) -> None:
     """Both end in one step: the first one's stored spans still borrow its lane's rows when the second becomes the
     hot working cache, and must be sealed before that lane is wiped."""
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     first = [GenerationRequest(Scope(name, "small"), tokens(seed, 60), SamplingParams(max_tokens=4, temperature=0.0))
              for seed, name in enumerate(("alice", "bob"))]
     runner = reuse_runner(loaded, prefill_chunk=256)  # both prompts prefill in the first step
@@ -263,7 +272,7 @@ async def test_a_failed_feed_of_last_tokens_stores_nothing_and_replies(small_mod
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The forward that runs ended requests' last tokens together fails: their caches may be part written, so
     nothing of them is stored; their replies still come, and the node goes on."""
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     first = [GenerationRequest(Scope(name, "small"), tokens(seed, 60), SamplingParams(max_tokens=4, temperature=0.0))
              for seed, name in enumerate(("alice", "bob"))]
     alone = ModelRunner(loaded, None)
@@ -290,7 +299,7 @@ async def test_settle_zeroes_the_native_attention_scratch(small_model_dir: Path,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     """The native decode attention's scratch holds the last step's attention weights, derived from a caller's keys:
     once the replies are out it reads back as zeros."""
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     runner = reuse_runner(loaded)
     if loaded.forward.decode_attention != "native":
         pytest.skip("the native decode attention runs only where the kernels load and torch runs one thread")
@@ -310,7 +319,7 @@ def one_callers_requests(model: str, scope: str | None = None, max_tokens: int =
 
 @pytest.mark.parametrize("family", ["llama", "qwen2-moe", "gemma3"])
 async def test_one_callers_sequences_attend_their_shared_rows_once(family: str, tmp_path: Path) -> None:
-    loaded = load_model(family, init_model(family, tmp_path / family, size="small"))
+    loaded = load(family, init_model(family, tmp_path / family, size="small"))
     # 24-token replies overlap even where prompts are computed in turns (gemma3's sliding layers copy no rows).
     batch = one_callers_requests(loaded.model_id, scope="agent", max_tokens=24)
     alone = ModelRunner(loaded, None)
@@ -323,7 +332,7 @@ async def test_one_callers_sequences_attend_their_shared_rows_once(family: str, 
 
 async def test_different_callers_never_share_rows(small_model_dir: Path) -> None:
     """The same system prompt from four callers at once: each computes and attends its own copy."""
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     runner = reuse_runner(loaded)
     # Each computes its prompt in five or six 64-token chunks, taking turns: replies of 24 tokens overlap.
     results = await run_together(runner, one_callers_requests(loaded.model_id, max_tokens=24))
@@ -335,7 +344,7 @@ async def test_different_callers_never_share_rows(small_model_dir: Path) -> None
 async def test_one_callers_requests_copy_the_prompt_rows_another_computes(small_model_dir: Path) -> None:
     """Four requests of one caller arrive together over a system prompt nothing stored yet: the first computes
     it, the others wait for its rows and copy them (billed as cached reads), and each reply is its own."""
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     batch = one_callers_requests(loaded.model_id, scope="agent")
     alone = ModelRunner(loaded, None)
     expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
@@ -352,7 +361,7 @@ async def test_one_callers_requests_copy_the_state_of_a_model_that_resumes_at_sn
     their recurrent states and window tails: the followers take the first request's live state each step it
     computes of the system prompt (rows of its attention layers, a copy of the rest), up to the system message's
     end, where it snapshots; each reply is its own, and the followers' stored state resumes there too."""
-    loaded = load_model(family, init_model(family, tmp_path / family, size="small"))
+    loaded = load(family, init_model(family, tmp_path / family, size="small"))
     system = tokens(99, 300)  # then a user message long enough for every request to snapshot where it starts
     batch = [GenerationRequest(Scope("agent", loaded.model_id), system + tokens(i, 40 + 7 * i),
                                SamplingParams(max_tokens=8, temperature=0.0), boundaries=(300,)) for i in range(4)]
@@ -372,7 +381,7 @@ async def test_one_callers_requests_copy_the_state_of_a_model_that_resumes_at_sn
 
 async def test_a_request_without_retention_neither_copies_nor_gives_rows(small_model_dir: Path) -> None:
     """Retention none: nothing of the request is kept, nor lent to another request, nor taken from one."""
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     batch = one_callers_requests(loaded.model_id, scope="agent")
     batch[1] = GenerationRequest(batch[1].scope, batch[1].prompt, batch[1].params, retain=False)
     batch[0] = GenerationRequest(batch[0].scope, batch[0].prompt, batch[0].params, retain=False)
@@ -391,7 +400,7 @@ def prefilled(loaded: LoadedModel, prompt: list[int]) -> DynamicCache:
 
 
 def test_equal_rows_counts_the_rows_held_value_for_value(small_model_dir: Path) -> None:
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     system = tokens(99, 300)
     first, second = prefilled(loaded, system + tokens(1, 20)), prefilled(loaded, system + tokens(2, 30))
     assert equal_rows(first, second, 320) == 300
@@ -411,7 +420,9 @@ def test_a_step_over_shared_rows_gives_each_sequence_its_own_logits(small_model_
     kernels = load_kernels().kernels
     if native and kernels is None:
         pytest.skip(f"no native kernels: {load_kernels().reason}")
-    loaded = load_model("small", small_model_dir)
+    if native and TEST_DEVICE != "cpu":
+        pytest.skip("the native decode attention runs on CPU tensors only")
+    loaded = load("small", small_model_dir)
     system = tokens(99, 300)
     prompts = [system + tokens(i, 9 + 13 * i) for i in range(3)]
     steps = BatchedDecode(loaded.model, kernels if native else None)
@@ -432,7 +443,7 @@ def test_a_steps_greedy_rows_take_their_tokens_from_one_screen_of_the_head(small
     the library's int8 product screens) get the argmax of their own logits from one screen of the head, without
     logits; the other rows' logits are those of the plain step. With more greedy rows than a screen takes every
     row's logits come from the model's head."""
-    loaded = load_model("small", small_model_dir)
+    loaded = load("small", small_model_dir)
     if loaded.forward.decoder is None:
         pytest.skip(f"no CPU decoder: {loaded.forward.reason}")
     prompts = [tokens(i, 5 + 7 * i) for i in range(rows)]
@@ -457,7 +468,7 @@ def test_a_batched_step_of_recurrent_layers_continues_each_sequences_state(famil
     tokens, and each sequence's own states left where its alone twin's are."""
     if native_switched_off():
         pytest.skip("the step here runs no native code: the pass with the native kernels ran this same code")
-    loaded = load_model(family, init_model(family, tmp_path / family, size="small"))
+    loaded = load(family, init_model(family, tmp_path / family, size="small"))
     assert batch_blocker(loaded.model) is None
     prompts = [tokens(i, 20 + 31 * i) for i in range(3)]
     alone = [prefilled(loaded, prompt) for prompt in prompts]
