@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,9 +12,9 @@ from typing import Any
 import pytest
 
 from bench.agent import MAX_TOKENS, AgentWorkload, Sample, reply_mismatches, summarise
+from bench.local_node import TENZRO
 from tests.node.conftest import start_node, stop_node
 
-TENZRO = str(Path(sys.executable).parent / "tenzro")
 EPISODES, STEPS = 1, 4
 BUDGET_MODES = ["ours-value-1MiB", "ours-lru-1MiB"]
 LOCAL_MODES = ["ours", "none", "exact", "interval-512", "oracle", *BUDGET_MODES]
@@ -30,7 +29,7 @@ class BenchRun:
 
 
 def _bench(out: Path, home: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([TENZRO, "bench", "agent", "--episodes", str(EPISODES), "--steps", str(STEPS),
+    return subprocess.Popen([*TENZRO, "bench", "agent", "--episodes", str(EPISODES), "--steps", str(STEPS),
                              "--out", str(out), *extra], env={**os.environ, "TENZRO_HOME": str(home)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

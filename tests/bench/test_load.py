@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,10 +18,10 @@ from aiohttp.test_utils import TestServer
 
 from bench.chat import load_tokenizer
 from bench.load import Capacity, Row, capacity, percentile
+from bench.local_node import TENZRO
 from node.cli import build_parser
 from tests.node.conftest import free_port, launch_node, stop_node, wait_healthy
 
-TENZRO = str(Path(sys.executable).parent / "tenzro")
 SYSTEM_TOKENS, REPLY_TOKENS, TURNS = 64, 4, 2
 TINY = ["--system-tokens", str(SYSTEM_TOKENS), "--reply-tokens", str(REPLY_TOKENS), "--turns", str(TURNS)]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -44,7 +43,7 @@ class BenchRun:
 
 
 def _bench(out: Path, home: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([TENZRO, "bench", "load", *TINY, "--json", str(out), *extra],
+    return subprocess.Popen([*TENZRO, "bench", "load", *TINY, "--json", str(out), *extra],
                             env={**os.environ, "TENZRO_HOME": str(home)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-TENZRO = str(Path(sys.executable).parent / "tenzro")
+from bench.local_node import TENZRO
+
 LENGTHS = (64, 128)
 NEW_TOKENS = 8
 RUNS = 2
@@ -18,7 +18,7 @@ def test_bench_reuse_reports_exact_prefix_reuse(small_model_dir: Path, tmp_path:
     out = tmp_path / "results" / "x.json"
     env = {**os.environ, "TENZRO_HOME": str(tmp_path / "home")}
     result = subprocess.run(
-        [TENZRO, "bench", "reuse", "--model", str(small_model_dir), "--lengths", ",".join(map(str, LENGTHS)),
+        [*TENZRO, "bench", "reuse", "--model", str(small_model_dir), "--lengths", ",".join(map(str, LENGTHS)),
          "--runs", str(RUNS), "--new-tokens", str(NEW_TOKENS), "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -61,7 +61,7 @@ def test_bench_reuse_tls_both_measures_a_plain_and_a_pinned_tls_node_on_the_same
     out = tmp_path / "tls.json"
     env = {**os.environ, "TENZRO_HOME": str(tmp_path / "home")}
     result = subprocess.run(
-        [TENZRO, "bench", "reuse", "--model", str(small_model_dir), "--lengths", "64", "--runs", "2",
+        [*TENZRO, "bench", "reuse", "--model", str(small_model_dir), "--lengths", "64", "--runs", "2",
          "--new-tokens", str(NEW_TOKENS), "--tls", "both", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -86,7 +86,7 @@ def test_bench_reuse_tls_both_measures_a_plain_and_a_pinned_tls_node_on_the_same
 
 
 def test_tls_runs_local_nodes_only() -> None:
-    result = subprocess.run([TENZRO, "bench", "reuse", "--url", "http://127.0.0.1:1", "--tls", "on"],
+    result = subprocess.run([*TENZRO, "bench", "reuse", "--url", "http://127.0.0.1:1", "--tls", "on"],
                             capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stderr) == (
         2, "tenzro: error: --tls runs local nodes; measure an https server by giving its --url\n")

@@ -7,12 +7,11 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+from bench.local_node import TENZRO
 from bench.route import add_route_bench
 
-TENZRO = str(Path(sys.executable).parent / "tenzro")
 CALLERS, TURNS, NODES = 4, 3, 2
 
 
@@ -20,7 +19,7 @@ def test_bench_route_answers_every_turn_once_and_the_warm_bias_keeps_conversatio
     out = tmp_path / "route.json"
     env = {**os.environ, "TENZRO_HOME": str(tmp_path / "home")}
     result = subprocess.run(
-        [TENZRO, "bench", "route", "--nodes", str(NODES), "--callers", str(CALLERS), "--turns", str(TURNS),
+        [*TENZRO, "bench", "route", "--nodes", str(NODES), "--callers", str(CALLERS), "--turns", str(TURNS),
          "--system-words", "60", "--think-s", "0.5", "--routings", "warm,round-robin", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr

@@ -6,16 +6,15 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.chat import ChatMessages
+from bench.local_node import TENZRO
 from bench.scenarios import Sent, divergence_recompute, shared_messages
 from node.cli import build_parser
 
-TENZRO = str(Path(sys.executable).parent / "tenzro")
 SCENARIOS = ["a", "b", "c2", "c3", "d", "e"]
 
 
@@ -79,7 +78,7 @@ def test_bad_arguments_exit_2_with_a_message(capsys: pytest.CaptureFixture[str])
 def test_bench_scenarios_recomputes_exactly_what_the_issue_expects(hybrid_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "results" / "scenarios.json"
     env = {**os.environ, "TENZRO_HOME": str(tmp_path / "home")}
-    result = subprocess.run([TENZRO, "bench", "scenarios", "--model", str(hybrid_model_dir), "--runs", "1",
+    result = subprocess.run([*TENZRO, "bench", "scenarios", "--model", str(hybrid_model_dir), "--runs", "1",
                              "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
 

@@ -47,7 +47,7 @@ def development_policy(path: Path, code: str | list[str] = "any", models: Any = 
 
 
 def tenzro(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([TENZRO, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*TENZRO, *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -175,7 +175,7 @@ class proxy:  # noqa: N801 - used as a context manager, like open()
     """`tenzro proxy` as a subprocess, ready once its health route answers (verified or not)."""
 
     def __init__(self, node_url: str, policy: Path, port: int, *extra: str, allow_none: bool = True) -> None:
-        self.process = subprocess.Popen([TENZRO, "proxy", "--node", node_url, "--trust-policy", str(policy),
+        self.process = subprocess.Popen([*TENZRO, "proxy", "--node", node_url, "--trust-policy", str(policy),
                                          "--port", str(port), *(["--allow-none"] if allow_none else []), *extra],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 60
