@@ -49,8 +49,10 @@ if TYPE_CHECKING:
 ARCHITECTURE_CLASSES = ("dense", "swa", "alternating", "ssm", "hybrid", "moe", "hybrid-moe")
 MODEL_FAMILIES = ("llama", "mistral", "gemma2", "gemma3", "mixtral", "olmoe", "qwen2-moe", "mamba", "mamba2",
                   "jamba", "bamba", "falcon-h1", "granite-moe-hybrid", "lfm2", "qwen3-next")
-"""What `tenzro models init --arch` builds (node.engine.synthetic's CLASSES and FAMILIES, which a test holds
-equal): named here because importing that module loads torch and transformers, seconds `--help` should not take."""
+VISION_LANGUAGE_FAMILIES = ("vlm-llava", "vlm-qwen2", "vlm-gemma3")
+"""What `tenzro models init --arch` builds (node.engine.synthetic's CLASSES and FAMILIES and synthetic_vlm's
+VISION_LANGUAGE, which tests hold equal): named here because importing those modules loads torch and
+transformers, seconds `--help` should not take."""
 
 
 def default_threads() -> int:
@@ -342,9 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = groups.add_parser("models", help="models").add_subparsers(dest="command", required=True)
     init = models.add_parser("init", help="write a deterministic randomly initialised model directory")
-    init.add_argument("--arch", default="dense", choices=[*ARCHITECTURE_CLASSES, *MODEL_FAMILIES], metavar="ARCH",
+    init.add_argument("--arch", default="dense", choices=[*ARCHITECTURE_CLASSES, *MODEL_FAMILIES,
+                                                          *VISION_LANGUAGE_FAMILIES], metavar="ARCH",
                       help=f"an architecture class: {', '.join(ARCHITECTURE_CLASSES)} (default: dense); or a model "
-                           f"family: {', '.join(MODEL_FAMILIES)}")
+                           f"family: {', '.join(MODEL_FAMILIES)}; or a vision-language model with its processor: "
+                           f"{', '.join(VISION_LANGUAGE_FAMILIES)} (sizes default and small)")
     init.add_argument("--size", default="default", choices=["default", "small", "1b"])
     init.add_argument("dir")
     init.set_defaults(func=_models_init)

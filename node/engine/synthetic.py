@@ -319,25 +319,39 @@ def _trained_tokenizer() -> str:
     return tokenizer.to_str()
 
 
-def build_tokenizer(context: int = SIZES["default"].context) -> PreTrainedTokenizerFast:
+def build_tokenizer(context: int = SIZES["default"].context, named_tokens: dict[str, str] | None = None,
+                    chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on a seeded corpus: any text encodes, training is deterministic.
 
     `context` is the model's context length: the tokenizer warns about longer inputs, so a 32k model's
-    tokenizer must not claim a shorter limit."""
+    tokenizer must not claim a shorter limit. `named_tokens` (attribute -> token, such as a vision model's
+    `image_token`) are special tokens added after the trained vocabulary in their order, so the trained ids
+    stay those of the text models."""
+    # Passed only when there are some: `extra_special_tokens=None` still writes an entry to
+    # tokenizer_config.json, which would change the text models' files.
+    named = {"extra_special_tokens": named_tokens} if named_tokens else {}
     return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_trained_tokenizer()),
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         model_max_length=context,
+        **named,
     )
 
 
 def init_model(arch: str, out_dir: Path, size: str = "default") -> Path:
-    """Write a seeded random causal LM and its tokenizer to out_dir (created; must not exist)."""
+    """Write a seeded random causal LM and its tokenizer to out_dir (created; must not exist).
+
+    A vision-language architecture (`synthetic_vlm.VISION_LANGUAGE`) is written with its processor instead."""
+    # Imported here: synthetic_vlm builds on this module's recipes and tokenizer.
+    from node.engine.synthetic_vlm import VISION_LANGUAGE, init_vision_language_model
+
+    if arch in VISION_LANGUAGE:
+        return init_vision_language_model(arch, Path(out_dir), size)
     if arch not in ARCHITECTURES:
         raise UnknownArchitectureError(
-            f"unknown architecture {arch!r}; choose one of: {', '.join(sorted(ARCHITECTURES))}")
+            f"unknown architecture {arch!r}; choose one of: {', '.join(sorted([*ARCHITECTURES, *VISION_LANGUAGE]))}")
     if size not in SIZES:
         raise UnknownArchitectureError(f"unknown size {size!r}; choose one of: {', '.join(sorted(SIZES))}")
     config = ARCHITECTURES[arch](SIZES[size])
