@@ -46,7 +46,9 @@ def test_a_portable_batched_step_gives_each_sequence_what_it_gets_alone(family: 
     together = [prefilled(loaded, prompt) for prompt in prompts]
     assert all(batchable(cache) for cache in together)
     shared = equal_rows(together[0], together[2], 300)
-    assert shared == (0 if family == "granite-moe-hybrid" else 300)  # rows beside recurrent state: no group
+    # Rows beside recurrent state form no group. Otherwise a group forms: its first chunk's rows agree bit for bit
+    # on either CPU forward, and on the library's the rows after it may not (SDPA over chunks of other lengths).
+    assert (shared == 0) == (family == "granite-moe-hybrid") and shared <= 300
     groups = (Shared((0, 2), shared),) if shared else ()
     steps = BatchedDecode(loaded.model, CpuOnly(), portable=True)  # type: ignore[arg-type]
     ids, positions = [500, 501, 502], [len(prompt) for prompt in prompts]
