@@ -12,6 +12,7 @@ encrypted bounce buffers, so it must not be pinned there.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,11 @@ class HostCopies:
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host tensor to stage plaintext in (uninitialized, contiguous); the caller zeroes it after use."""
         return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
+
+
+def byte_view(tensor: torch.Tensor) -> Any:
+    """A writable byte buffer over a contiguous host tensor's memory (no copy): what the cipher reads and writes."""
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def to_host(tensor: torch.Tensor, staging: torch.Tensor) -> torch.Tensor:

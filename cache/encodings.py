@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from cache.device_copy import PAGEABLE, HostCopies, to_device, to_host
+from cache.device_copy import PAGEABLE, HostCopies, byte_view, to_device, to_host
 from cache.prefix_cache import belongs_to
-from cache.scope import Scope
+from cache.scope import Scope, past_ttl
 from cache.sealing import KEY_BYTES, TAG_BYTES, Place, Sealer, SealError, wipe
 
 DIGEST_BYTES = hashlib.sha256().digest_size
@@ -108,11 +108,6 @@ class _Shelf:
     def destroy(self) -> None:
         wipe(self._mac_key)
         self.entries.clear()
-
-
-def _flat(tensor: torch.Tensor) -> Any:
-    """A byte buffer over a contiguous host tensor's memory (no copy)."""
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _messages(flat: Any) -> list[Any]:
@@ -214,7 +209,7 @@ class EncodingCache:
         elif not tensor.is_contiguous():
             copy = tensor.contiguous()
         try:
-            parts = _messages(_flat(tensor if copy is None else copy))
+            parts = _messages(byte_view(tensor if copy is None else copy))
             sealed = bytearray(entry.nbytes + TAG_BYTES * len(parts))
             return sealed, tuple(sealer.seal(scope, entry.place, parts, sealed))
         finally:
@@ -229,7 +224,8 @@ class EncodingCache:
         host = (self.host_copies.staging(entry.shape, entry.dtype) if staged
                 else torch.empty(entry.shape, dtype=entry.dtype))
         try:
-            sealer.run_open(sealer.open_jobs(scope, entry.place, entry.nonces, entry.sealed, _messages(_flat(host))))
+            outs = _messages(byte_view(host))
+            sealer.run_open(sealer.open_jobs(scope, entry.place, entry.nonces, entry.sealed, outs))
         except SealError:
             host.zero_()
             raise
@@ -281,12 +277,7 @@ class EncodingCache:
     def expire(self, ttl_of: Callable[[str], float | None], now: float | None = None) -> list[Scope]:
         """Drop the scopes unused for longer than their caller's time to live (None: no limit)."""
         now = time.monotonic() if now is None else now
-
-        def stale(scope: Scope) -> bool:
-            ttl = ttl_of(scope.caller)
-            return ttl is not None and now - self._shelves[scope].used > ttl
-
-        return self.drop(stale)
+        return self.drop(lambda scope: past_ttl(scope, self._shelves[scope].used, ttl_of, now))
 
     def counts(self, scope: Scope) -> EncodingCounts:
         """The scope's counts since it first stored an encoding (zeros once it is dropped)."""

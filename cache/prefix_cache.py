@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from cache.budget import CacheBudget
 from cache.radix_tree import PrefixMatch, RadixTree, TreeNode
-from cache.scope import Scope, SpanHandle
+from cache.scope import Scope, SpanHandle, past_ttl
 from cache.token_digest import DigestRun, TokenDigester
 
 ROUTED = "/"
@@ -329,8 +329,7 @@ class PrefixCache:
         now = time.monotonic() if now is None else now
         expired = []
         for scope, used in list(self._used.items()):
-            ttl = ttl_of(scope.caller)
-            if ttl is not None and now - used > ttl:
+            if past_ttl(scope, used, ttl_of, now):
                 self.drop_scope(scope)
                 expired.append(scope)
         self.expired_scopes += len(expired)

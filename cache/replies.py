@@ -29,7 +29,7 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from cache.scope import Scope
+from cache.scope import Scope, past_ttl
 
 MAX_REPLIES = 256
 """Replies remembered per scope, the most recent: a conversation re-sends its last few; an agent's loop, its own."""
@@ -147,9 +147,4 @@ class ReplyBook:
     def expire(self, ttl_of: Callable[[str], float | None], now: float | None = None) -> list[Scope]:
         """Forget the scopes unused for longer than their caller's time to live (None: no limit)."""
         now = time.monotonic() if now is None else now
-
-        def stale(scope: Scope) -> bool:
-            ttl = ttl_of(scope.caller)
-            return ttl is not None and now - self._shelves[scope].used > ttl
-
-        return self.drop(stale)
+        return self.drop(lambda scope: past_ttl(scope, self._shelves[scope].used, ttl_of, now))

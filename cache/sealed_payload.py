@@ -19,7 +19,7 @@ import torch
 
 from cache.adapters import KVPiece, ModelStateAdapter, RecurrentPiece
 from cache.blob_memory import Blob, BlobMemory
-from cache.device_copy import PAGEABLE, HostCopies, to_device, to_host
+from cache.device_copy import PAGEABLE, HostCopies, byte_view, to_device, to_host
 from cache.opening import Opening, SealedEntryError
 from cache.scope import Scope, SpanHandle
 from cache.sealing import TAG_BYTES, Place, Sealer, SealError
@@ -94,11 +94,6 @@ def _part(tensor: torch.Tensor, block: tuple[int, int, int]) -> torch.Tensor:
     return tensor[0, index]
 
 
-def _bytes(tensor: torch.Tensor) -> Any:
-    """A writable byte buffer over `tensor`'s memory (no copy); `tensor` must be contiguous."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
-
-
 def _on(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor of `meta`'s shape and dtype on `device`, one element expanded (nothing allocated per row)."""
     return torch.empty((), dtype=meta.dtype, device=device).expand(meta.shape)
@@ -171,7 +166,7 @@ def seal_payload(sealer: Sealer, memory: BlobMemory, scope: Scope, place: Place,
                 blob.wipe()
                 return None  # the nonces it took are never used again
             # One head's rows are contiguous also in a view of the working buffers: sealed where they lie.
-            batch = [_bytes(m if m.is_contiguous() else m.contiguous())
+            batch = [byte_view(m if m.is_contiguous() else m.contiguous())
                      for m in (_part(host.tensor(index), block) for index, block in parts[first:last])]
             end = offset + sum(m.nbytes + TAG_BYTES for m in batch)
             nonces += sealer.seal(scope, place, batch, memoryview(blob.data)[offset:end], first=first)
@@ -192,7 +187,7 @@ def open_payload(sealer: Sealer, scope: Scope, origin: Place, sealed: SealedPayl
     staged = host_copies.staged(sealed.device)
     opened = map_payload(sealed.skeleton, lambda t: host_copies.staging(tuple(t.shape), t.dtype) if staged
                          else torch.empty(t.shape, dtype=t.dtype))
-    outs = [_bytes(_part(t, b)) for t in payload_tensors(opened) for b in _blocks(t)]
+    outs = [byte_view(_part(t, b)) for t in payload_tensors(opened) for b in _blocks(t)]
     try:
         sealer.run_open(sealer.open_jobs(scope, origin, sealed.nonces, sealed.blob.data, outs))
     except SealError:
@@ -263,7 +258,7 @@ def open_span(sealer: Sealer, sealed: SealedPayload, scope: Scope, origin: Place
                     else:
                         scratch = torch.empty((end - first, meta.shape[-1]), dtype=meta.dtype)
                         copies.append((scratch, target[0, head], first, end))
-                        out = _bytes(scratch)
+                        out = byte_view(scratch)
                     outs.append((index, sealed.nonces[index], blob[offsets[index]:offsets[index + 1]], out))
                 index += 1
         if opening is not None and isinstance(cache.layers[layer_index], GrowableKVLayer):

@@ -107,14 +107,15 @@ class Forward:
 
     def decode(self, batched: BatchedDecode, tokens: Sequence[int], positions: Sequence[int],
                caches: Sequence[DynamicCache], shared: Callable[[], Sequence[Shared]], greedy: Sequence[bool]
-               ) -> list[Prediction]:
+               ) -> tuple[list[Prediction], bool]:
         """One decode step of each sequence (`tokens[b]` at `positions[b]` into `caches[b]`): one batched forward
         where they `batches` (`shared()` gives its groups of shared rows, which only a CPU step attends once: off the
-        CPU they are not asked for, `batch_forward`'s portable step), else one forward each."""
+        CPU they are not asked for, `batch_forward`'s portable step), else one forward each. Returns each row's
+        prediction and whether they ran as one forward."""
         if self.batches(caches):
-            return self.step(batched, tokens, positions, caches, self._groups(shared), greedy)
+            return self.step(batched, tokens, positions, caches, self._groups(shared), greedy), True
         return [self.prefill([token], position, cache) for token, position, cache in zip(tokens, positions, caches,
-                                                                                          strict=True)]
+                                                                                          strict=True)], False
 
     def feed(self, batched: BatchedDecode, tokens: Sequence[int], positions: Sequence[int],
              caches: Sequence[DynamicCache], shared: Callable[[], Sequence[Shared]]) -> bool:

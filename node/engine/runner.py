@@ -183,14 +183,13 @@ class ModelRunner:
         """One decode step of every sequence in `seqs` (each has chosen a token not yet run), as the forward runs
         it (`Forward.decode`: one batched forward where it can); then each chooses its next token."""
         self.decode_steps += 1
-        caches = [seq.cache for seq in seqs]
-        if self.forward.batches(caches):
+        predictions, together = self.forward.decode(
+            self._batched, [seq.output[-1] for seq in seqs],
+            [len(seq.request.prompt) + len(seq.output) - 1 for seq in seqs], [seq.cache for seq in seqs],
+            lambda: self._kinship.groups(seqs, self._live), [seq.sampler.params.argmax_only for seq in seqs])
+        if together:
             self.batched_steps += 1
             self.largest_batch = max(self.largest_batch, len(seqs))
-        predictions = self.forward.decode(self._batched, [seq.output[-1] for seq in seqs],
-                                          [len(seq.request.prompt) + len(seq.output) - 1 for seq in seqs], caches,
-                                          lambda: self._kinship.groups(seqs, self._live),
-                                          [seq.sampler.params.argmax_only for seq in seqs])
         for seq, prediction in zip(seqs, predictions, strict=True):
             seq.prediction = prediction
             self._choose(seq)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -98,12 +99,16 @@ def _with_vocabulary(config: PretrainedConfig, tokenizer: PreTrainedTokenizerFas
     return config
 
 
+def _tower(vision: VisionSize) -> dict[str, Any]:
+    """The settings a CLIP and a SigLIP vision config share."""
+    return {"hidden_size": vision.hidden, "intermediate_size": vision.intermediate, "num_hidden_layers": vision.layers,
+            "num_attention_heads": vision.heads, "image_size": vision.image, "patch_size": vision.patch}
+
+
 def _llava(size: Size, vision: VisionSize, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
     """A CLIP tower before the Llama text model, features from its second-to-last layer without CLS (Llava 1.5)."""
     return LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=vision.hidden, intermediate_size=vision.intermediate,
-                                       num_hidden_layers=vision.layers, num_attention_heads=vision.heads,
-                                       image_size=vision.image, patch_size=vision.patch),
+        vision_config=CLIPVisionConfig(**_tower(vision)),
         text_config=_with_vocabulary(FAMILIES["llama"](size), tokenizer),
         image_token_index=tokenizer.image_token_id, image_seq_length=(vision.image // vision.patch) ** 2,
         vision_feature_select_strategy="default", vision_feature_layer=-2)
@@ -154,9 +159,7 @@ def _qwen2_vl_processor(vision: VisionSize, tokenizer: PreTrainedTokenizerFast, 
 def _gemma3(size: Size, vision: VisionSize, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
     """A SigLIP tower whose patches are average-pooled 2x2 into soft tokens before the Gemma3 text model."""
     return Gemma3Config(
-        vision_config=SiglipVisionConfig(hidden_size=vision.hidden, intermediate_size=vision.intermediate,
-                                         num_hidden_layers=vision.layers, num_attention_heads=vision.heads,
-                                         image_size=vision.image, patch_size=vision.patch),
+        vision_config=SiglipVisionConfig(**_tower(vision)),
         text_config=_with_vocabulary(FAMILIES["gemma3"](size), tokenizer),
         mm_tokens_per_image=(vision.image // vision.patch // 2) ** 2, boi_token_index=tokenizer.boi_token_id,
         eoi_token_index=tokenizer.eoi_token_id, image_token_index=tokenizer.image_token_id)

@@ -91,24 +91,15 @@ def test_keys_that_are_not_a_sha256_and_an_encoder_are_refused() -> None:
         store.get(ALICE, digest(b"x"), "")
 
 
-def test_a_device_tensor_is_sealed_and_opened_through_host_staging_zeroed_after(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_device_tensor_is_sealed_and_opened_through_host_staging_zeroed_after(stagings: list[torch.Tensor]) -> None:
     """Run on a CPU by staging host tensors too (`HostCopies.stage_host`), as tests/cache/test_sealed_device.py."""
-    made: list[torch.Tensor] = []
-    staging = HostCopies.staging
-
-    def recorded(self: HostCopies, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        made.append(staging(self, shape, dtype))
-        return made[-1]
-
-    monkeypatch.setattr(HostCopies, "staging", recorded)
     want = encoding(2)
     store = EncodingCache(Sealer(threads=2), host_copies=STAGED)
     store.put(ALICE, digest(b"cat.png"), TOWER, want)
     got = store.get(ALICE, digest(b"cat.png"), TOWER)
     assert got is not None and raw(got) == raw(want) and got.device == want.device
-    assert len(made) == 2 and all(got is not staged for staged in made)
-    assert all(not staged.any() for staged in made)  # the plaintext staged reads back as zeros
+    assert len(stagings) == 2 and all(got is not staged for staged in stagings)
+    assert all(not staged.any() for staged in stagings)  # the plaintext staged reads back as zeros
 
 
 @pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "plain"])

@@ -37,20 +37,6 @@ def kv(tokens: int, dtype: torch.dtype, seed: int) -> KVPiece:
                    torch.randn(1, KV_HEADS, tokens, HEAD_DIM, generator=generator).to(dtype))
 
 
-@pytest.fixture
-def stagings(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
-    """Every host staging tensor made, to read back after use."""
-    made: list[torch.Tensor] = []
-    staging = HostCopies.staging
-
-    def recorded(self: HostCopies, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        made.append(staging(self, shape, dtype))
-        return made[-1]
-
-    monkeypatch.setattr(HostCopies, "staging", recorded)
-    return made
-
-
 def restored(host_copies: HostCopies, span: KVPiece, tail: KVPiece, later: bool = False) -> list[torch.Tensor]:
     """`span` (the full layer's rows) and `tail` (the sliding layer's snapshot) stored, sealed, split at 4 (two
     windows on one ciphertext) and restored up to row 9 through `host_copies` (`later`: the last window opening

@@ -73,21 +73,13 @@ def test_the_cpu_step_keeps_its_kernels_and_shared_rows(small_model_dir: Path) -
     assert steps.shared_rows == 2 * 2  # two members, both layers
 
 
-def test_the_seal_cost_probe_opens_through_host_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_seal_cost_probe_opens_through_host_staging(tmp_path: Path, stagings: list[torch.Tensor]) -> None:
     """A model whose state is staged (as on a GPU) is measured: the same sample as in place, opening timed with
     the copies, every staging zeroed after."""
-    made: list[torch.Tensor] = []
-    staging = HostCopies.staging
-
-    def recorded(self: HostCopies, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        made.append(staging(self, shape, dtype))
-        return made[-1]
-
-    monkeypatch.setattr(HostCopies, "staging", recorded)
     loaded = load_model("gemma3", init_model("gemma3", tmp_path / "gemma3", size="small"))
     assert loaded.state is not None and loaded.state.needs_snapshots  # a span and a snapshot to open
     costs = [measure_seal_cost(loaded, Sealer(threads=2), Lanes(loaded.state.working_cache), copies)
              for copies in (PAGEABLE, HostCopies(stage_host=True))]
     assert [(cost.sample_tokens, cost.sample_bytes) for cost in costs] == [(SAMPLE_TOKENS, costs[0].sample_bytes)] * 2
     assert all(cost.open_s_per_byte > 0 for cost in costs)
-    assert made and all(not tensor.any() for tensor in made)
+    assert stagings and all(not tensor.any() for tensor in stagings)
