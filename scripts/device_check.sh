@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check of issue 38, in one run under 8 minutes on one H200: the reuse matrix and the batching tests on
 # CUDA (float32, TENZRO_TEST_DEVICE=cuda), then `bench reuse`, `bench load` and `bench seal` on the 1B Llama shape
-# (`models init --size 1b`, bf16, the node's default on CUDA). Writes device_check.log (every step's output),
+# (`models init --size 1b`, bf16, the node's default on CUDA), then per family how many of the matrix's requests
+# agree token for token with reuse on and off in bfloat16 (`scripts/dtype_agreement.py`). Writes device_check.log (every step's output),
 # device_check.json (each step's exit status and seconds) and the benches' JSON under $OUT.
 #
 # Meant for a machine without network whose Python already has torch: wheels it lacks (cryptography, openai,
@@ -81,6 +82,8 @@ step bench-load 85 "$python" -m node bench load --device "$device" --clients 1,8
   --model "$model" --json "$out/load-$size.json"
 step bench-seal 50 "$python" -m node bench seal --device "$device" --lengths 1024,4096,16384 --runs 3 \
   --model "$model" --out "$out/seal-$size.json"
+step bf16-agreement 60 "$python" scripts/dtype_agreement.py --device "$device" --dtype bfloat16 \
+  --out "$out/bf16-agreement.json"
 
 if [[ -z "$dry" ]]; then
   joined=$(IFS=,; printf '%s' "${steps[*]}")

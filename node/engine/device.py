@@ -74,20 +74,34 @@ def prefill_chunk(device: torch.device, configured: int | None) -> int:
     return PREFILL_CHUNKS.get(device.type, PREFILL_CHUNKS["cpu"])
 
 
+def host_copy_mode(device: torch.device, nvml: NvmlLoader = load_pynvml) -> tuple[CopyMode, str]:
+    """How state on `device` crosses to the host, and why: asked before anything is sealed (the load-time seal-cost
+    probe stages state as the node will), and kept in the plan. `nvml` is asked only on CUDA."""
+    if device.type != "cuda":
+        return "none", ("state is in host memory" if device.type == "cpu"
+                        else f"no device tier is planned on {device.type}")
+    pinned, reason = pinning_allowed(nvml())
+    return "pinned" if pinned else "pageable", reason
+
+
 def plan_device(device: torch.device, device_bytes: int | None, plaintext_bytes: int,
-                free_memory: FreeMemory | None = None, nvml: NvmlLoader = load_pynvml) -> DevicePlan:
+                free_memory: FreeMemory | None = None, nvml: NvmlLoader = load_pynvml,
+                copies: tuple[CopyMode, str] | None = None, node_bytes: int | None = None) -> DevicePlan:
     """The plan for `device`, asked once the model and the lanes are in memory (so free memory is what is left for
     stored state). `device_bytes`: `cache.device_bytes` (None: `DEVICE_SHARE` of the free memory);
     `plaintext_bytes`: `cache.plaintext_bytes`, the hot tier of a node whose state is in host memory.
-    `free_memory` and `nvml` are asked only on CUDA (tests pass fakes); None: `torch.cuda.mem_get_info`."""
+    `free_memory` and `nvml` are asked only on CUDA (tests pass fakes); None: `torch.cuda.mem_get_info`.
+    `copies`: `host_copy_mode`'s answer when it was asked already. `node_bytes`: `cache.node_bytes`, the budget of
+    all stored state, which the device tier never exceeds (past it the node evicts, so a larger tier never fills)."""
+    mode, reason = copies or host_copy_mode(device, nvml)
     if device.type != "cuda":
-        where = "state is in host memory" if device.type == "cpu" else f"no device tier is planned on {device.type}"
-        return DevicePlan(device.type, plaintext_bytes, "none", where)
+        return DevicePlan(device.type, plaintext_bytes, mode, reason)
     if device_bytes is None:
         free, _ = (free_memory or functools.partial(torch.cuda.mem_get_info, device))()
         device_bytes = int(free * DEVICE_SHARE)
-    pinned, reason = pinning_allowed(nvml())
-    return DevicePlan(device.type, device_bytes, "pinned" if pinned else "pageable", reason)
+    if node_bytes is not None:
+        device_bytes = min(device_bytes, node_bytes)
+    return DevicePlan(device.type, device_bytes, mode, reason)
 
 
 def pinning_allowed(nvml: Any) -> tuple[bool, str]:

@@ -51,6 +51,7 @@ def test_a_dry_run_prints_the_commands_of_the_check(tmp_path: Path, wheels: list
         f"--json {out}/load-1b.json",
         f"python3 -m node bench seal --device cuda --lengths 1024,4096,16384 --runs 3 --model {model} "
         f"--out {out}/seal-1b.json",
+        f"python3 scripts/dtype_agreement.py --device cuda --dtype bfloat16 --out {out}/bf16-agreement.json",
     ]
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
 
@@ -70,7 +71,7 @@ def test_a_failed_or_overlong_step_is_recorded_and_the_rest_still_run(tmp_path: 
     report = json.loads((tmp_path / "out" / "device_check.json").read_text())
     assert [(step["step"], step["exit"]) for step in report["steps"]] == [
         ("machine", 0), ("versions", 0), ("reuse-matrix", 0), ("batching", 3), ("model", 0), ("bench-reuse", 0),
-        ("bench-load", 124), ("bench-seal", 124)]
+        ("bench-load", 124), ("bench-seal", 124), ("bf16-agreement", 124)]
     assert (report["device"], report["size"], report["budget_s"]) == ("cuda", "1b", 3) and report["seconds"] <= 4
     log = (tmp_path / "out" / "device_check.log").read_text()
     assert "ran -m pytest -q -p no:cacheprovider -n 4 tests/node/engine/test_batching.py" in log

@@ -19,6 +19,7 @@ from cache.budget import CacheBudget
 from cache.sealed_payload import open_payload, seal_payload
 from cache.sealing import Place
 from node.config import Limits
+from node.engine import reuse as reuse_module
 from node.engine.device import CC_OFF, CC_ON, DevicePlan, plan_device, prefill_chunk
 from node.engine.loader import LoadedModel, load_model
 from node.service import ModelService
@@ -157,3 +158,28 @@ def test_with_reuse_off_a_gpu_node_plans_no_hot_tier(loaded: LoadedModel) -> Non
     service = ModelService.create(dataclasses.replace(loaded, device=CUDA), None, Limits(max_running=1, lane_bytes=0),
                                   free_memory=never, nvml=lambda: FakeNvml(cc_feature=1))
     assert service.device == DevicePlan("cuda", 0, "pageable", CC_ON)
+
+
+@pytest.mark.parametrize(("cc_feature", "pinned"), [(1, False), (0, True)])
+def test_the_load_time_seal_probe_stages_state_as_the_plan_says(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch,
+                                                                cc_feature: int, pinned: bool) -> None:
+    """The seal-cost probe runs while the runner is built, before the hot tier is planned: it already copies
+    through the host as the node will (pageable under CC), so its figures are the node's."""
+    staged: list[bool] = []
+    measure = reuse_module.measure_seal_cost
+
+    def recording(loaded: LoadedModel, sealer: Any, lanes: Any, host_copies: Any) -> Any:
+        staged.append(host_copies.pinned)
+        return measure(loaded, sealer, lanes, host_copies)
+
+    monkeypatch.setattr(reuse_module, "measure_seal_cost", recording)
+    service_on(loaded, CUDA, cc_feature, monkeypatch)
+    assert staged == [pinned]
+
+
+def test_the_device_tier_never_exceeds_the_nodes_budget_for_stored_state() -> None:
+    """Half of an H200's free memory is far more than `cache.node_bytes`: past that budget the node evicts, so the
+    tier is the budget."""
+    nvml = lambda: FakeNvml(cc_feature=1)  # noqa: E731
+    assert plan_device(CUDA, None, 0, free_memory=lambda: H200_FREE, nvml=nvml, node_bytes=4 * GIB).hot_bytes == 4 * GIB
+    assert plan_device(CUDA, 2 * GIB, 0, free_memory=never, nvml=nvml, node_bytes=4 * GIB).hot_bytes == 2 * GIB
