@@ -22,6 +22,10 @@ QUEUE_READERS = ("operator", ROUTER)
 async def health(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     body: dict[str, Any] = {"status": "ok", "model": service.model_id}
+    split = service.loaded.experts
+    if split is not None:  # a node whose expert holders are missing answers, but cannot serve: routers skip it
+        body["experts"] = split.describe()
+        body["status"] = "ok" if split.serving else "degraded"
     caller = request.get(CALLER)
     if caller is not None and caller.role in QUEUE_READERS:
         body.update(service.scheduler.describe())
