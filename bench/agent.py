@@ -7,6 +7,11 @@ where a recurrent model can only resume at a snapshot. Each mode runs the same w
 node; replies are greedy, so every mode must get the same replies. The oracle reuses every prompt token
 that agrees with what the caller stored before (the `ours` node counts them per request); its TTFT comes
 from a node primed, before each timed request, with a request ending exactly at that point.
+
+With `--callers N`, it measures first turns instead: N callers each open an episode (the one system prompt, a
+task of its own), one after another, on a fresh node; with `--group` also on a node where the N callers form a
+trust group and share the system prompt in its scope (`Tenzro-Cache-Scope: group`), so that only the first
+caller computes it.
 """
 
 from __future__ import annotations
@@ -327,6 +332,61 @@ async def _run_url(args: argparse.Namespace, workload: AgentWorkload) -> Run:
     return Run(settings, samples, None)
 
 
+GROUP = "agents"
+SCOPE_HEADER = "Tenzro-Cache-Scope"
+
+
+async def _first_turns(session: aiohttp.ClientSession, args: argparse.Namespace, model: Path, workdir: Path,
+                       workload: AgentWorkload, group: bool) -> tuple[str, list[Sample]]:
+    """The first turn of each of `args.callers` callers, in order, on a fresh node; with `group`, the callers form
+    a trust group and share the system prompt in its scope."""
+    name = f"callers-{args.callers}" + ("-group" if group else "")
+    workdir.mkdir()
+    node = LocalNode(workdir, str(model), args.threads, args.device)
+    progress(f"bench agent: mode {name}: starting a node for '{args.model}'")
+    samples = []
+    try:
+        with node:
+            await node.wait_healthy(session)
+            keys = [node.add_key(f"agent-{index}") for index in range(args.callers)]
+            if group:  # read by the running node on the next request
+                config = yaml.safe_load(node.config.read_text())
+                config["groups"] = {GROUP: {"members": [f"agent-{index}" for index in range(args.callers)]}}
+                node.config.write_text(yaml.safe_dump(config))
+            warm = await node.client(session)
+            await warm.complete(PromptSource(SEED).prefix(WARMUP_TOKENS))  # untimed; shares no token with chats
+            for index, key in enumerate(keys):
+                client = await node.client(session, key, warm.model)
+                body: dict[str, Any] = {**client._greedy(MAX_TOKENS), "messages": workload.opening(index)}
+                if group:
+                    client.headers = {**client.headers, SCOPE_HEADER: "group"}
+                    body["prompt_cache_key"] = GROUP
+                reply = _reply(await client.stream("/chat/completions", body), client.base)
+                samples.append(Sample(name, index, 0, False, reply.prompt_tokens, reply.cached_tokens,
+                                      reply.ttft_s * 1000.0, reply.completion_tokens, reply.text,
+                                      reply.server_ttft_ms, reply.matched_tokens, reply.written_tokens))
+    except BenchError as exc:
+        raise BenchError(f"mode {name}: {exc}") from exc
+    progress(f"bench agent: {name}: reused {sum(s.cached_tokens for s in samples)}/"
+             f"{sum(s.prompt_tokens for s in samples)} prompt tokens, median TTFT "
+             f"{statistics.median(s.ttft_ms for s in samples):.0f} ms")
+    return warm.model, samples
+
+
+async def _run_callers(args: argparse.Namespace, workdir: Path) -> Run:
+    workload = AgentWorkload(SEED, args.callers, args.steps)
+    model = model_dir(args.model, workdir / "models")
+    samples: list[Sample] = []
+    model_id = ""
+    async with open_session() as session:
+        for group in (False, True) if args.group else (False,):
+            model_id, turns = await _first_turns(session, args, model, workdir / f"group-{group}", workload, group)
+            samples += turns
+    settings = Settings(None, model_id, args.threads, args.device, args.callers, 1, MAX_TOKENS, 0.0, SEED, 0,
+                        tuple(dict.fromkeys(s.mode for s in samples)))
+    return Run(settings, samples, None)
+
+
 def _p90(values: Sequence[float]) -> float:
     """Nearest rank."""
     ordered = sorted(values)
@@ -383,11 +443,18 @@ def format_table(rows: Sequence[ModeRow], memory: SnapshotMemory | None) -> str:
 
 def run_agent_bench(args: argparse.Namespace) -> int:
     try:
-        if args.episodes < 1 or args.steps < 2 or args.budget_mib < 0 or args.threads < 1:
+        if args.episodes < 1 or args.steps < 2 or args.budget_mib < 0 or args.threads < 1 or args.callers < 0:
             raise BenchError("--episodes and --threads must be at least 1, --steps at least 2 (a reply must be "
                              "re-sent), --budget-mib 0 (off) or more")
+        if args.group and not args.callers:
+            raise BenchError("--group compares first turns of several callers: give --callers too")
+        if args.callers and args.url:
+            raise BenchError("--callers runs local nodes of its own; it does not take --url")
         workload = AgentWorkload(SEED, args.episodes, args.steps)
-        if args.url:
+        if args.callers:
+            with tempfile.TemporaryDirectory(prefix="tenzro-bench-agent-") as workdir:
+                run = asyncio.run(_run_callers(args, Path(workdir)))
+        elif args.url:
             run = asyncio.run(_run_url(args, workload))
         else:
             with tempfile.TemporaryDirectory(prefix="tenzro-bench-agent-") as workdir:
@@ -417,5 +484,9 @@ def add_agent_bench(bench: argparse._SubParsersAction[argparse.ArgumentParser]) 
     agent.add_argument("--budget-mib", type=int, default=0,
                        help="also compare eviction policies (value vs lru) under this node budget; 48 shows "
                             "the difference on the default hybrid models")
+    agent.add_argument("--callers", type=int, default=0,
+                       help="measure the first turns of this many callers sharing one system prompt instead")
+    agent.add_argument("--group", action="store_true",
+                       help="with --callers: also with the callers in one trust group sharing the system prompt")
     agent.add_argument("--out", default="bench-results/agent.json")
     agent.set_defaults(func=run_agent_bench)

@@ -218,6 +218,17 @@ class StateArena:
         snapshot = self._entries[handle].snapshot
         return 0 if snapshot is None else snapshot.nbytes
 
+    def held_bytes(self, handle: SpanHandle) -> tuple[int, int]:
+        """The handle's bytes held in plaintext (the hot tier) and sealed, as `hot_bytes` and `sealed_bytes`
+        count them."""
+        hot = sealed = 0
+        for part in (self._entries[handle].span, self._entries[handle].snapshot):
+            if part is not None and part.plain is not None:
+                hot += part.nbytes
+            elif part is not None:
+                sealed += part.nbytes
+        return hot, sealed
+
     def is_sealed(self, handle: SpanHandle) -> bool:
         entry = self._entries[handle]
         return entry.span.sealed is not None and (entry.snapshot is None or entry.snapshot.sealed is not None)

@@ -16,6 +16,12 @@ The index holds no token id: each scope's tree is built over keyed digests of it
 ids, or the `DigestRun` that `digest` made for the same scope; a run of another scope is refused. Dropping a
 scope (key removed, time to live over) zeroes its key and digests and unlinks its tree at once.
 
+Every entry (tree node) has a time to live, refreshed when it is stored or read: the longest any store over it
+asked for (`Hold`), so a request asking for less never shortens what another asked for, or its caller's default,
+known when it expires (`expire`'s `ttl_of`). A node's parent is refreshed with it and holds at least its time to
+live, so expiry takes whole subtrees. Expired entries are zeroed and forgotten; a scope left with none goes whole
+(keys destroyed). The clock is the constructor's `now`, so that tests can move time.
+
 For routing summaries (`cache/summary.py`) a scope also remembers prefix forms: the SHA-256 of the canonical
 form of a prompt prefix, with its token position and the digests of the tokens stored with it. They are digests
 of prompt content: memory only, dropped with the scope, and read only to be keyed for the router that owns the
@@ -24,6 +30,7 @@ scope.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import time
@@ -40,6 +47,10 @@ from cache.token_digest import DigestRun, TokenDigester
 ROUTED = "/"
 """Joins a router's name and the id of a caller it acts for into that caller's name (`router/id`). Caller names
 never hold it, so a router's callers are told apart from every other caller, and go with the router."""
+
+Hold = tuple[int, float | None]
+"""(position, seconds): the stored tokens before `position` are held for that long after their last use at
+least; None: their caller's default time to live."""
 
 MAX_FORMS = 4096
 """Prefix forms a scope remembers (the most recently stored): at most this many summary entries per scope. The
@@ -73,6 +84,7 @@ class StateStore(Protocol):
     def drop_snapshot(self, handle: SpanHandle) -> int: ...
     def free(self, handle: SpanHandle) -> int: ...
     def split(self, handle: SpanHandle, offset: int) -> tuple[SpanHandle, SpanHandle]: ...
+    def held_bytes(self, handle: SpanHandle) -> tuple[int, int]: ...
     def bytes_of_caller(self, caller: str) -> int: ...
     def forget(self, scope: Scope) -> None: ...
     def seal_cold(self, stop: Callable[[], bool]) -> ColdPass: ...
@@ -101,9 +113,37 @@ class StoreResult:
     """Tokens newly stored and still held after eviction (0 when all were held, or evicted at once)."""
 
 
+@dataclass(slots=True)
+class Lookups:
+    """A scope's lookups since the node started: a hit resumed at least one stored token, a miss none. Counts
+    only, which its caller may read (`GET /v1/cache`); they outlive the scope's state being shredded, not its
+    caller's removal."""
+
+    hits: int = 0
+    misses: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """What the prefix index holds for one scope: its caller's own view (`GET /v1/cache`), and what shredding it
+    destroyed."""
+
+    entries: int
+    """Spans stored (nodes of the scope's tree)."""
+    tokens: int
+    hot_bytes: int
+    """Held in plaintext, in the hot tier."""
+    sealed_bytes: int
+
+
+NOTHING_HELD = Holdings(0, 0, 0, 0)
+
+
 class PrefixCache:
-    def __init__(self, budget: CacheBudget, arena: StateStore) -> None:
+    def __init__(self, budget: CacheBudget, arena: StateStore, now: Callable[[], float] = time.monotonic) -> None:
+        """`now`: the clock of times to live, in seconds."""
         self.budget = budget
+        self.now = now
         self.arena = arena
         self._trees: dict[Scope, RadixTree[SpanHandle]] = {}
         self._digesters: dict[Scope, TokenDigester] = {}
@@ -114,9 +154,11 @@ class PrefixCache:
         self._forms: dict[Scope, OrderedDict[bytes, tuple[int, DigestRun]]] = {}
         """Per scope: prefix form -> (its token position, the digests of the tokens stored with it), oldest
         first."""
+        self.lookups: dict[Scope, Lookups] = {}
         self.evicted_spans = 0
         self.evicted_snapshots = 0
         self.expired_scopes = 0
+        self.expired_entries = 0
 
     def register_model(self, model: str, needs_snapshots: bool) -> None:
         self._needs_snapshots[model] = needs_snapshots
@@ -127,7 +169,7 @@ class PrefixCache:
         digester = self._digesters.get(scope)
         if digester is None:
             digester = self._digesters[scope] = TokenDigester()
-            self._used.setdefault(scope, time.monotonic())  # expires like a scope that stored something
+            self._used.setdefault(scope, self.now())  # expires like a scope that stored something
         if isinstance(tokens, DigestRun):
             if tokens.owner is not digester:  # a bug of ours: runs never cross scopes
                 raise ValueError("a digest run made for another scope (or before this one was dropped)")
@@ -148,11 +190,17 @@ class PrefixCache:
         """
         run = self.digest(scope, tokens)
         tree = self._trees.get(scope)
+        lookups = self.lookups.setdefault(scope, Lookups())
         if tree is None or limit <= 0:
+            lookups.misses += 1
             return ReuseLease(scope, 0, (), None, None, 0)
-        self._used[scope] = time.monotonic()
+        now = self._used[scope] = self.now()
         match = tree.match(run)
         length, snapshot = self._resume_point(match, min(match.length, limit), anywhere)
+        if length:
+            lookups.hits += 1
+        else:
+            lookups.misses += 1
         last = None
         spans: list[tuple[SpanHandle, int]] = []
         for node in match.nodes:
@@ -160,6 +208,7 @@ class PrefixCache:
                 break
             assert node.handle is not None
             spans.append((node.handle, min(node.end, length) - node.start))
+            node.used_s = now  # read: its time to live starts again
             last = node
         if last is not None:
             tree.lock(last)
@@ -221,14 +270,16 @@ class PrefixCache:
             self._trees[lease.scope].unlock(lease.node)
 
     def store(self, scope: Scope, tokens: Sequence[int] | DigestRun, extract: Callable[[int, int], Any],
-              snapshots: Mapping[int, Any] | None = None) -> StoreResult:
+              snapshots: Mapping[int, Any] | None = None, holds: Sequence[Hold] | None = None) -> StoreResult:
         """Store the state of `tokens`; `extract(start, end)` cuts a not-yet-held span from the work cache.
 
-        `snapshots` maps positions to the state taken there; each becomes a node boundary.
+        `snapshots` maps positions to the state taken there; each becomes a node boundary. `holds`: how long
+        the tokens are held (each position a node boundary too); None: all of them for the caller's default.
         """
         tokens = self.digest(scope, tokens)
         tree = self._tree(scope)
-        self._used[scope] = time.monotonic()
+        now = self._used[scope] = self.now()
+        holds = [(len(tokens), None)] if holds is None else holds
         leaf = tree.insert(tokens, lambda start, end: self.arena.put(scope, start, end, extract(start, end)))
         start = len(tokens) if leaf is None else leaf.start  # read now: snapshot boundaries may cut the leaf
         for position in sorted(snapshots or {}):
@@ -236,6 +287,15 @@ class PrefixCache:
                 node = tree.boundary(tokens, position)
                 assert node.handle is not None and snapshots is not None
                 self.arena.attach_snapshot(node.handle, snapshots[position])
+        for position, _ in holds:
+            if 0 < position < len(tokens):
+                tree.boundary(tokens, position)
+        for node in tree.peek(tokens).nodes:
+            node.used_s = now
+            for position, ttl in holds:
+                if position >= node.end:
+                    node.ttl_s = max(node.ttl_s, ttl or 0.0)
+                    node.default_ttl = node.default_ttl or ttl is None
         self.enforce_budget(scope.caller)
         held = tree.match(tokens).length if start < len(tokens) else start
         return StoreResult(start, max(0, held - start))
@@ -317,23 +377,57 @@ class PrefixCache:
         self.arena.forget(scope)
 
     def drop_caller(self, caller: str) -> list[Scope]:
-        """Drop every scope of `caller` and of the callers it acts for as a router (its key was removed); returns
-        them."""
-        scopes = [scope for scope in dict.fromkeys([*self._trees, *self._digesters]) if belongs_to(scope, caller)]
+        """Drop every scope of `caller` and of the callers it acts for as a router (its key was removed), their
+        lookup counts too; returns them."""
+        for scope in [scope for scope in self.lookups if belongs_to(scope, caller)]:
+            del self.lookups[scope]
+        return self.drop(lambda scope: belongs_to(scope, caller))
+
+    def drop(self, select: Callable[[Scope], bool]) -> list[Scope]:
+        """Drop every scope `select` takes (`drop_scope`); returns them."""
+        scopes = [scope for scope in dict.fromkeys([*self._trees, *self._digesters]) if select(scope)]
         for scope in scopes:
             self.drop_scope(scope)
         return scopes
 
+    def holdings(self, scope: Scope) -> Holdings:
+        tree = self._trees.get(scope)
+        if tree is None:
+            return NOTHING_HELD
+        entries = tokens = hot = sealed = 0
+        for node in tree.nodes():
+            if node.handle is None:
+                continue
+            span_hot, span_sealed = self.arena.held_bytes(node.handle)
+            entries, tokens, hot, sealed = entries + 1, tokens + len(node.tokens), hot + span_hot, sealed + span_sealed
+        return Holdings(entries, tokens, hot, sealed)
+
     def expire(self, ttl_of: Callable[[str], float | None], now: float | None = None) -> list[Scope]:
-        """Drop the scopes unused for longer than their caller's time to live (None: no limit)."""
-        now = time.monotonic() if now is None else now
-        expired = []
+        """Zero and forget the entries unused for longer than their time to live (`ttl_of`: a caller's default;
+        None: no limit), and drop the scopes left holding none: those that just lost their last entry, and those
+        that stored nothing and were unused for longer than their caller's default. Returns the scopes that lost
+        anything."""
+        now = self.now() if now is None else now
+        touched, dropped = [], []
         for scope, used in list(self._used.items()):
-            if past_ttl(scope, used, ttl_of, now):
+            tree, default = self._trees.get(scope), ttl_of(scope.caller)
+            pruned = [] if tree is None else tree.prune(functools.partial(_expired, default=default, now=now))
+            for handle in pruned:
+                self.arena.free(handle)
+            self.expired_entries += len(pruned)
+            if tree is not None and tree.root.children:
+                if pruned:
+                    touched.append(scope)
+            elif pruned or past_ttl(scope, used, ttl_of, now):
                 self.drop_scope(scope)
-                expired.append(scope)
-        self.expired_scopes += len(expired)
-        return expired
+                dropped.append(scope)
+        self.expired_scopes += len(dropped)
+        return touched + dropped
+
+    def longest_ttl(self, caller: str) -> float:
+        """The longest time to live a store asked for of any entry `caller`'s scopes hold (0: none asked)."""
+        return max((node.ttl_s for scope, tree in self._trees.items() if scope.caller == caller
+                    for node in tree.nodes()), default=0.0)
 
     def discard(self, scope: Scope, handles: Sequence[SpanHandle]) -> int:
         """Drop the nodes holding `handles` and everything below them (entries that failed to open: what lies
@@ -370,6 +464,14 @@ class PrefixCache:
             return []
         return sorted(node.end for node in tree.nodes()
                       if node.handle is not None and self.arena.has_snapshot(node.handle))
+
+
+def _expired(node: TreeNode[SpanHandle], default: float | None, now: float) -> bool:
+    """Whether `node` was unused for longer than its time to live (`default`: its caller's; None: no limit)."""
+    if node.default_ttl and default is None:
+        return False
+    ttl = max(node.ttl_s, default or 0.0) if node.default_ttl else node.ttl_s
+    return now - node.used_s > ttl
 
 
 def _wipe_run(run: object) -> None:

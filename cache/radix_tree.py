@@ -34,6 +34,13 @@ class TreeNode(Generic[H]):
     children: dict[int, TreeNode[H]] = field(default_factory=dict)
     last_access: int = 0
     refs: int = 0
+    used_s: float = 0.0
+    """When the span was last stored or read (the prefix cache's clock, seconds): its time to live runs from
+    there."""
+    ttl_s: float = 0.0
+    """The longest time to live a store over this span asked for in seconds (0: none asked for one)."""
+    default_ttl: bool = False
+    """A store over this span asked for its caller's default time to live, known only when it expires."""
 
     @property
     def end(self) -> int:
@@ -135,7 +142,8 @@ class RadixTree(Generic[H]):
         assert 0 < offset < len(node.tokens) and node.parent is not None and node.handle is not None
         left, right = self._split_handle(node.handle, offset)
         upper = TreeNode(tokens=node.tokens[:offset], start=node.start, handle=left, parent=node.parent,
-                         last_access=node.last_access, refs=node.refs)
+                         last_access=node.last_access, refs=node.refs, used_s=node.used_s, ttl_s=node.ttl_s,
+                         default_ttl=node.default_ttl)
         node.parent.children[upper.tokens[0]] = upper
         node.tokens, node.start, node.handle, node.parent = node.tokens[offset:], node.start + offset, right, upper
         upper.children[node.tokens[0]] = node
@@ -182,6 +190,20 @@ class RadixTree(Generic[H]):
             if current.handle is not None:
                 handles.append(current.handle)
             current.parent, current.handle, current.children = None, None, {}
+        return handles
+
+    def prune(self, doomed: Callable[[TreeNode[H]], bool]) -> list[H]:
+        """Detach every node `doomed` takes that no in-flight request holds, with everything below it (unusable
+        without it); returns their handles. A node kept is looked below: expiry, for one, may take a child and
+        keep its parent."""
+        handles: list[H] = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.refs == 0 and doomed(node):
+                handles.extend(self.remove_subtree(node))
+            else:
+                stack.extend(node.children.values())
         return handles
 
     def clear(self, wipe: Callable[[Run], None]) -> list[H]:

@@ -23,23 +23,46 @@ class PricingError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class PriceSchedule:
-    """Prices per token, in wei. Cached reads and writes replace the plain input price for their tokens."""
+    """Prices per token, in wei. Cached reads and writes replace the plain input price for their tokens.
+
+    Writes held longer than the default (`cache/ttl.py`'s `1h` and `24h` classes) may be priced apart: they take
+    memory for longer. None: at the plain write price (a price file written before the classes existed).
+    """
 
     input_price_wei: int
     output_price_wei: int
     cached_read_price_wei: int
     cached_write_price_wei: int
+    cached_write_1h_price_wei: int | None = None
+    cached_write_24h_price_wei: int | None = None
 
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
+            if field.name in CLASS_PRICE_FIELDS and value is None:
+                continue
             if type(value) is not int or value < 0:
                 raise PricingError(f"{field.name} must be a non-negative integer (wei), got {value!r}")
 
+    @property
+    def write_1h_price_wei(self) -> int:
+        """The price of a `1h` write in force."""
+        return self.cached_write_price_wei if self.cached_write_1h_price_wei is None else self.cached_write_1h_price_wei
+
+    @property
+    def write_24h_price_wei(self) -> int:
+        """The price of a `24h` write in force."""
+        return (self.cached_write_price_wei if self.cached_write_24h_price_wei is None
+                else self.cached_write_24h_price_wei)
+
     def to_mapping(self) -> dict[str, int]:
-        return {field.name: getattr(self, field.name) for field in fields(self)}
+        """The prices set (a class price left to the plain write price is left out)."""
+        values = {field.name: getattr(self, field.name) for field in fields(self)}
+        return {name: value for name, value in values.items() if value is not None}
 
 
+CLASS_PRICE_FIELDS = ("cached_write_1h_price_wei", "cached_write_24h_price_wei")
+"""Optional in a price file: each defaults to the plain write price."""
 PRICE_FIELDS: tuple[str, ...] = tuple(field.name for field in fields(PriceSchedule))
 
 DEFAULT_PRICING = PriceSchedule(
@@ -53,7 +76,8 @@ cached reads at a tenth, cached writes at 1.25x, output at 4x). Never used impli
 
 
 def parse_pricing(data: object, source: str) -> PriceSchedule:
-    """Build a schedule from parsed YAML: a mapping with exactly the four price fields."""
+    """Build a schedule from parsed YAML: a mapping with the four plain price fields, and optionally the class
+    write prices (CLASS_PRICE_FIELDS)."""
     if not isinstance(data, dict):
         raise PricingError(f"{source}: expected a mapping of the fields {', '.join(PRICE_FIELDS)}")
     unknown = sorted(str(key) for key in data if key not in PRICE_FIELDS)
@@ -61,11 +85,11 @@ def parse_pricing(data: object, source: str) -> PriceSchedule:
         raise PricingError(
             f"{source}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(PRICE_FIELDS)}"
         )
-    missing = [name for name in PRICE_FIELDS if name not in data]
+    missing = [name for name in PRICE_FIELDS if name not in data and name not in CLASS_PRICE_FIELDS]
     if missing:
         raise PricingError(f"{source}: missing field(s) {', '.join(missing)}")
     try:
-        return PriceSchedule(**{name: data[name] for name in PRICE_FIELDS})
+        return PriceSchedule(**{name: data[name] for name in PRICE_FIELDS if name in data})
     except PricingError as exc:
         raise PricingError(f"{source}: {exc}") from exc
 

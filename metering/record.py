@@ -69,13 +69,17 @@ class TokenCounts:
 
     `input_tokens` is the whole prompt (as OpenAI clients expect); of it, `cached_read_tokens` were
     served from reused state and `cached_write_tokens` were newly stored for reuse. The two cached
-    classes are disjoint parts of the prompt, so together they never exceed `input_tokens`.
+    classes are disjoint parts of the prompt, so together they never exceed `input_tokens`. Of the
+    writes, `cached_write_1h_tokens` and `cached_write_24h_tokens` were stored to be held for an hour
+    and a day (the caller's time-to-live class), each priced apart; the rest for the default time.
     """
 
     input_tokens: int
     cached_read_tokens: int
     cached_write_tokens: int
     output_tokens: int
+    cached_write_1h_tokens: int = 0
+    cached_write_24h_tokens: int = 0
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -87,6 +91,12 @@ class TokenCounts:
                 f"cached_read_tokens ({self.cached_read_tokens}) + cached_write_tokens "
                 f"({self.cached_write_tokens}) exceed input_tokens ({self.input_tokens}); cached "
                 "tokens are part of the prompt, so count them in input_tokens too"
+            )
+        if self.cached_write_1h_tokens + self.cached_write_24h_tokens > self.cached_write_tokens:
+            raise RecordError(
+                f"cached_write_1h_tokens ({self.cached_write_1h_tokens}) + cached_write_24h_tokens "
+                f"({self.cached_write_24h_tokens}) exceed cached_write_tokens ({self.cached_write_tokens}); "
+                "they are part of the writes, so count them in cached_write_tokens too"
             )
 
     @property
@@ -136,7 +146,10 @@ def cost_wei(counts: TokenCounts, prices: PriceSchedule) -> int:
     return (
         counts.uncached_input_tokens * prices.input_price_wei
         + counts.cached_read_tokens * prices.cached_read_price_wei
-        + counts.cached_write_tokens * prices.cached_write_price_wei
+        + (counts.cached_write_tokens - counts.cached_write_1h_tokens - counts.cached_write_24h_tokens)
+        * prices.cached_write_price_wei
+        + counts.cached_write_1h_tokens * prices.write_1h_price_wei
+        + counts.cached_write_24h_tokens * prices.write_24h_price_wei
         + counts.output_tokens * prices.output_price_wei
     )
 
@@ -168,6 +181,12 @@ class UsageRecord:
     total_ms: int
     prev_hash: str  # SHA-256 hex of the previous record's line, ZERO_HASH for seq 0
     signature: str  # 128 hex characters, or UNSIGNED for a draft
+    # Writes of a time-to-live class priced apart, and that price; in JSON only when the count is not 0 (both
+    # then), so that records from before the classes keep their bytes and signatures (CLASS_FIELDS).
+    cached_write_1h_tokens: int = 0
+    cached_write_1h_price_wei: int = 0
+    cached_write_24h_tokens: int = 0
+    cached_write_24h_price_wei: int = 0
 
     def __post_init__(self) -> None:
         for name in ("record_id", "caller_id", "model"):
@@ -186,6 +205,9 @@ class UsageRecord:
             raise RecordError(f"status must be one of {', '.join(STATUSES)}, got {self.status!r}")
         if not isinstance(self.prev_hash, str) or not _HEX64.fullmatch(self.prev_hash):
             raise RecordError(f"prev_hash must be 64 lowercase hex characters, got {self.prev_hash!r}")
+        for tokens, price in CLASS_FIELDS:
+            if getattr(self, tokens) == 0 and getattr(self, price) != 0:
+                raise RecordError(f"{price} must be 0 when {tokens} is 0: a record names only prices it charged")
         if self.signature != UNSIGNED and (
             not isinstance(self.signature, str) or not _HEX128.fullmatch(self.signature)
         ):
@@ -198,7 +220,7 @@ class UsageRecord:
             raise CostMismatch(
                 f"cost_wei is {self.cost_wei} but counts and prices give {expected}; "
                 "cost = uncached input * input price + cached reads * read price "
-                "+ cached writes * write price + output * output price"
+                "+ cached writes * write price (1h and 24h writes at theirs) + output * output price"
             )
         latency = self.latency
         if self.output_tokens == 0 and latency.ttft_ms != 0:
@@ -239,7 +261,12 @@ class UsageRecord:
             model=model,
             status=status,
             **asdict(counts),
-            **prices.to_mapping(),
+            input_price_wei=prices.input_price_wei,
+            output_price_wei=prices.output_price_wei,
+            cached_read_price_wei=prices.cached_read_price_wei,
+            cached_write_price_wei=prices.cached_write_price_wei,
+            cached_write_1h_price_wei=prices.write_1h_price_wei if counts.cached_write_1h_tokens else 0,
+            cached_write_24h_price_wei=prices.write_24h_price_wei if counts.cached_write_24h_tokens else 0,
             cost_wei=cost_wei(counts, prices),
             **asdict(latency),
             prev_hash=prev_hash,
@@ -252,7 +279,8 @@ class UsageRecord:
     @property
     def counts(self) -> TokenCounts:
         return TokenCounts(
-            self.input_tokens, self.cached_read_tokens, self.cached_write_tokens, self.output_tokens
+            self.input_tokens, self.cached_read_tokens, self.cached_write_tokens, self.output_tokens,
+            self.cached_write_1h_tokens, self.cached_write_24h_tokens,
         )
 
     @property
@@ -262,6 +290,8 @@ class UsageRecord:
             self.output_price_wei,
             self.cached_read_price_wei,
             self.cached_write_price_wei,
+            self.cached_write_1h_price_wei if self.cached_write_1h_tokens else None,
+            self.cached_write_24h_price_wei if self.cached_write_24h_tokens else None,
         )
 
     @property
@@ -271,8 +301,12 @@ class UsageRecord:
     def to_json(self) -> dict[str, Any]:
         """The JSON object form: field names as members, wei amounts as decimal strings."""
         obj: dict[str, Any] = {field.name: getattr(self, field.name) for field in fields(self)}
+        for tokens, price in CLASS_FIELDS:
+            if obj[tokens] == 0:
+                del obj[tokens], obj[price]
         for name in WEI_FIELDS:
-            obj[name] = wei_to_json(obj[name])
+            if name in obj:
+                obj[name] = wei_to_json(obj[name])
         return obj
 
     @classmethod
@@ -281,13 +315,18 @@ class UsageRecord:
         if not isinstance(obj, Mapping):
             raise RecordError(f"a usage record is a JSON object, got {type(obj).__name__}")
         unknown = sorted(set(obj) - set(RECORD_FIELDS))
-        missing = [name for name in RECORD_FIELDS if name not in obj]
+        missing = [name for name in RECORD_FIELDS if name not in obj and name not in OPTIONAL_FIELDS]
+        for tokens, price in CLASS_FIELDS:
+            if (tokens in obj) != (price in obj) or obj.get(tokens, 1) == 0:
+                raise RecordError(f"{tokens} and {price} are members together, and only when {tokens} is not 0")
         if unknown or missing:
             raise RecordError(
                 f"usage record members differ: unknown {unknown or 'none'}, missing {missing or 'none'}"
             )
         values: dict[str, Any] = {}
         for name in RECORD_FIELDS:
+            if name not in obj:
+                continue  # an optional member left out: its default
             value = obj[name]
             if name in WEI_FIELDS:
                 try:
@@ -316,7 +355,14 @@ class UsageRecord:
 
 RECORD_FIELDS: tuple[str, ...] = tuple(field.name for field in fields(UsageRecord))
 WEI_FIELDS: tuple[str, ...] = tuple(name for name in RECORD_FIELDS if name.endswith("_wei"))
+CLASS_FIELDS: tuple[tuple[str, str], ...] = (
+    ("cached_write_1h_tokens", "cached_write_1h_price_wei"),
+    ("cached_write_24h_tokens", "cached_write_24h_price_wei"),
+)
+"""(count, price) of each time-to-live class priced apart: members of a record's JSON only when the count is not 0."""
+OPTIONAL_FIELDS = frozenset(name for pair in CLASS_FIELDS for name in pair)
 _INT_FIELDS = frozenset(
-    {"seq", "timestamp_ms", "input_tokens", "cached_read_tokens", "cached_write_tokens", "output_tokens"}
+    {"seq", "timestamp_ms", "input_tokens", "cached_read_tokens", "cached_write_tokens", "output_tokens",
+     "cached_write_1h_tokens", "cached_write_24h_tokens"}
     | {field.name for field in fields(Latency)}
 )

@@ -11,6 +11,11 @@ conditions in a random order, each on fresh prompts, timed as a client sees them
 
 A two-sample Kolmogorov-Smirnov test compares each pair. The own-caller pair is the positive control: the
 same harness must tell A's own reuse apart, or its silence about B says nothing.
+
+With `--group`, A is a member of a trust group and B is not: every prompt is sent as a chat's system message,
+A's shared in the group's scope (`Tenzro-Cache-Scope: group`), B's kept nowhere (retention none, so that B's own
+earlier requests give it no hit on the template's opening tokens). The cross-caller pair then asks whether a
+non-member can tell that a member just wrote a prompt into the group's scope.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bench.report import Target, columns
 
@@ -143,6 +148,49 @@ class Settings(Target):
     length: int
     seed: int
     alpha: float
+    group: bool = False
+    """A a member of a trust group writing into its scope, B a non-member (`--group`)."""
+
+
+AUDIT_GROUP = "audit"
+QUESTION = "Go on."
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def prompt_text(prompt: list[int]) -> str:
+    """Words standing for `prompt`'s ids one to one (each id written in base 26): prompts that share no first id
+    share no first word, and the same ids are always the same text."""
+    words = []
+    for token in prompt:
+        word = ""
+        while True:
+            token, digit = divmod(token, len(LETTERS))
+            word += LETTERS[digit]
+            if not token:
+                break
+        words.append(word)
+    return " ".join(words)
+
+
+def system_prompt_client(client: Client, member: bool) -> Client:
+    """`client` sending each prompt as a chat's system message (`prompt_text`): shared in its caller's trust group
+    when `member`, else kept nowhere."""
+    from bench.client import Client
+
+    class SystemPromptClient(Client):
+        async def complete(self, prompt: list[int]) -> Timing:
+            body: dict[str, Any] = {**self._greedy(1), "messages": [{"role": "system", "content": prompt_text(prompt)},
+                                                                    {"role": "user", "content": QUESTION}]}
+            if member:
+                body["prompt_cache_key"] = AUDIT_GROUP
+            else:
+                body["prompt_cache_retention"] = "none"
+            return (await self.stream("/chat/completions", body)).timing()
+
+    shaped = SystemPromptClient(client.session, client.base, None, client.model)
+    shaped.headers = {**client.headers, **({"Tenzro-Cache-Scope": "group"} if member else {})}
+    shaped.ssl = client.ssl
+    return shaped
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,14 +300,17 @@ async def _audit(args: argparse.Namespace, seed: int) -> tuple[Settings, list[Sa
 
     async def trials(a: Client, b: Client, settings: Settings) -> list[Sample]:
         progress(f"audit: model '{a.model}' at {a.base}: {settings.samples} trials of {settings.length}-token "
-                 f"prompts, seed {settings.seed}")
+                 f"prompts, seed {settings.seed}" + (", A a member of a trust group, B not" if args.group else ""))
+        if args.group:
+            a, b = system_prompt_client(a, member=True), system_prompt_client(b, member=False)
         return await run_trials(a, b, PromptSource(seed), settings.samples, settings.length, seed)
 
     async with open_session() as session:
         if args.url:
             a = await Client.connect(session, args.url, args.key_a, args.model)
             b = Client(session, a.base, args.key_b, a.model)
-            settings = Settings(a.base, a.model, False, None, None, args.samples, args.length, seed, ALPHA)
+            settings = Settings(a.base, a.model, False, None, None, args.samples, args.length, seed, ALPHA,
+                                args.group)
             return settings, await trials(a, b, settings)
         with (tempfile.TemporaryDirectory(prefix="tenzro-audit-") as workdir,
               LocalNode(Path(workdir), args.model or "default", args.threads, args.device) as node):
@@ -267,8 +318,13 @@ async def _audit(args: argparse.Namespace, seed: int) -> tuple[Settings, list[Sa
             await node.wait_healthy(session)
             a = await node.client(session, node.add_key("audit-a"))
             b = await node.client(session, node.add_key("audit-b"), a.model)
+            if args.group:
+                from node.config import Group, load_config, save_config
+
+                config = load_config(node.config)
+                save_config(node.config, replace(config, groups=(Group(AUDIT_GROUP, ("audit-a",)),)))
             settings = Settings(a.base, a.model, True, args.threads, args.device, args.samples, args.length,
-                                seed, ALPHA)
+                                seed, ALPHA, args.group)
             return settings, await trials(a, b, settings)
 
 
@@ -321,5 +377,7 @@ def add_audit_commands(groups: argparse._SubParsersAction) -> None:  # type: ign
                         "recorded in the report)")
     timing.add_argument("--threads", type=int, default=1, help="torch threads of the local node")
     timing.add_argument("--device", help="device of the local node")
+    timing.add_argument("--group", action="store_true", help="A a member of a trust group, sending each prompt as "
+                        "a system message shared with it, B a non-member (with --url, A's key must be a member)")
     timing.add_argument("--out", default="bench-results/audit-timing.json")
     timing.set_defaults(func=run_timing_audit)

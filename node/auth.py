@@ -9,13 +9,13 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from cache.prefix_cache import ROUTED
-from node.config import Caller, ConfigError, hash_key, load_config
+from cache.scope import GROUP
+from node.config import CALLER_ID, Caller, ConfigError, Group, NodeConfig, hash_key, load_config
 from node.errors import InvalidRequest, PermissionDenied, Unauthenticated
 from node.log_privacy import Safe
 
@@ -28,14 +28,35 @@ class KeyRing:
         self._stamp: tuple[int, int] | None = None
         self._by_hash: dict[str, Caller] = {}
         self._by_name: dict[str, Caller] = {}
+        self._group_of: dict[str, str] = {}
+        """Each member's trust group, as the config says now."""
+        self._groups: frozenset[str] = frozenset()
+        self._default_ttl_s: float = NodeConfig().default_ttl_s
         self._on_removed = on_removed
-        """Called with the name of each caller that left the config: its state and keys are destroyed."""
+        """Called with the name of each caller that left the config, and with `group:NAME` for each trust group
+        that did: its state and keys are destroyed."""
         self.refresh()
 
     def ttl_of(self, name: str) -> float | None:
-        """The time to live of caller `name`'s state; a router's callers (`router/id`) have the router's."""
+        """The default time to live of caller `name`'s state: its `ttl_s`, else the node's `cache.default_ttl_s`; a
+        router's callers (`router/id`) have the router's, a trust group's scope (`group:NAME`) the node's. None (no
+        limit) for a name that is no caller or group."""
         caller = self._by_name.get(name.partition(ROUTED)[0])
-        return None if caller is None else caller.ttl_s
+        if caller is None:
+            in_group = name.startswith(GROUP) and name.removeprefix(GROUP) in self._groups
+            return self._default_ttl_s if in_group else None
+        return self._default_ttl_s if caller.ttl_s is None else caller.ttl_s
+
+    def group_of(self, name: str) -> str | None:
+        """The trust group caller `name` is a member of now (checked on every request: a member removed from its
+        group reads nothing of it from then on); None for a non-member."""
+        self.refresh()
+        return self._group_of.get(name)
+
+    def groups_routed_by(self, router: str) -> frozenset[str]:
+        """The trust groups with a member that `router` acts for (`ROUTER/ID`): their prefixes are in its
+        summaries."""
+        return frozenset(group for member, group in self._group_of.items() if member.startswith(router + ROUTED))
 
     def refresh(self) -> None:
         """Re-read the config if it changed (the node calls this every `KEY_REFRESH_S`, and on each request)."""
@@ -43,22 +64,26 @@ class KeyRing:
             stat = os.stat(self._path)
         except FileNotFoundError:
             self._stamp = None
-            self._use(())
+            self._use((), ())
             return
         stamp = (stat.st_mtime_ns, stat.st_size)
         if stamp != self._stamp:
             self._stamp = stamp  # a bad version is reported once, not on every request
             try:
-                callers = load_config(self._path).callers
+                config = load_config(self._path)
             except (ConfigError, OSError, ValueError, TypeError, AttributeError) as exc:
                 log.error("%s is invalid; the last good keys stay in force: %s", Safe(self._path), Safe(exc))
                 return
-            self._use(callers)
+            self._default_ttl_s = config.default_ttl_s
+            self._use(config.callers, config.groups)
 
-    def _use(self, callers: tuple[Caller, ...]) -> None:
+    def _use(self, callers: tuple[Caller, ...], groups: tuple[Group, ...]) -> None:
         gone = set(self._by_name) - {caller.name for caller in callers}
+        gone |= {GROUP + name for name in self._groups - {group.name for group in groups}}
         self._by_hash = {caller.key_sha256: caller for caller in callers}
         self._by_name = {caller.name: caller for caller in callers}
+        self._group_of = {member: group.name for group in groups for member in group.members}
+        self._groups = frozenset(group.name for group in groups)
         if self._on_removed is not None:
             for name in sorted(gone):
                 self._on_removed(name)
@@ -89,7 +114,6 @@ def presented_key(authorization: str | None) -> str:
 ROUTER = "router"
 CALLER_HEADER = "Tenzro-Caller"
 """With a router key: the id of the caller the router acts for."""
-CALLER_ID = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 
 
 def acting_for(router: Caller, caller_id: str) -> Caller:

@@ -56,6 +56,8 @@ PRICE_FLAGS: dict[str, str] = {
     "--output-price-wei": "output_price_wei",
     "--price-per-cached-read-token-wei": "cached_read_price_wei",
     "--price-per-cached-write-token-wei": "cached_write_price_wei",
+    "--price-per-cached-write-1h-token-wei": "cached_write_1h_price_wei",
+    "--price-per-cached-write-24h-token-wei": "cached_write_24h_price_wei",
 }
 assert sorted(PRICE_FLAGS.values()) == sorted(PRICE_FIELDS)
 
@@ -418,7 +420,13 @@ def format_sla(result: SlaReport) -> str:
 
 
 def format_pricing(schedule: PriceSchedule) -> str:
-    return "\n".join(f"{flag.lstrip('-')}: {getattr(schedule, field)}" for flag, field in PRICE_FLAGS.items())
+    """One line per flag; a class write price left unset shows the plain write price it charges."""
+    lines = []
+    for flag, field in PRICE_FLAGS.items():
+        value = getattr(schedule, field)
+        shown = f"{schedule.cached_write_price_wei} (the cached write price)" if value is None else str(value)
+        lines.append(f"{flag.lstrip('-')}: {shown}")
+    return "\n".join(lines)
 
 
 def run_pricing_set(args: argparse.Namespace) -> int:

@@ -23,6 +23,8 @@ from policies.requirements import NO_REQUIREMENTS, CallerRequirements, Requireme
 
 KEY_PREFIX = "tz-"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+CALLER_ID = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+"""The id of a caller a router acts for (`Tenzro-Caller`); that caller is named `ROUTER/ID` on the node."""
 GIB = 1024**3
 
 
@@ -47,6 +49,18 @@ class Caller:
     router: str | None = None
     """The router acting for this caller (`node.auth.acting_for`): the caller is then named `router/id` and has
     the router's retention, time to live and requirements. Never in the file."""
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A trust group (`groups.NAME.members`): callers who may share prefixes (a system prompt, tool definitions)
+    in the group's own scope (`cache.scope.group_scope`) when a request asks for it. A member is a caller of the
+    file, or `ROUTER/ID`, a caller a router of the file acts for (whose router then sees the group's prefixes in
+    its summaries, under the group's id). A caller is in one group at most, so that a request's group scope names
+    one group."""
+
+    name: str
+    members: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +107,11 @@ class NodeConfig:
     """`cache.reserve_bytes`: memory for sealed state, written at start (`cache/blob_memory.py`), so sealing a
     wave's new state does not populate fresh pages on the engine's thread. 0: sealed state takes memory of its
     own, as it needs it. Sealed state past it does so too."""
+    default_ttl_s: int = 300
+    """`cache.default_ttl_s`: how long stored state is held after its last use, for callers without a `ttl_s` of
+    their own and requests that choose no time to live (`cache/ttl.py`)."""
     limits: Limits = field(default_factory=Limits)
+    groups: tuple[Group, ...] = ()
 
 
 ROLES = ("caller", "auditor", "operator", "router")
@@ -146,8 +164,38 @@ def _requirements(entry: dict[str, Any], name: str) -> CallerRequirements:
         raise ConfigError(str(exc)) from exc
 
 
+def _groups(raw: Any, callers: list[Caller]) -> tuple[Group, ...]:
+    """`groups.NAME.members`: each member a caller of the file or one its routers act for, in one group at most."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise ConfigError("'groups' must be a mapping of group names to {members: [caller names]}")
+    names = {caller.name for caller in callers}
+    routers = {caller.name for caller in callers if caller.role == "router"}
+    member_of: dict[str, str] = {}
+    groups = []
+    for name, entry in raw.items():
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise ConfigError("a group name is 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit")
+        members = entry.get("members") if isinstance(entry, dict) and set(entry) == {"members"} else None
+        if not isinstance(members, list) or not all(isinstance(member, str) for member in members):
+            raise ConfigError(f"groups.{name} must have only 'members': a list of caller names")
+        for member in members:
+            router, routed, caller_id = member.partition("/")
+            if not (member in names or (routed and router in routers and CALLER_ID.fullmatch(caller_id))):
+                raise ConfigError(f"groups.{name}.members: {member!r} is neither a caller of this file nor "
+                                  f"ROUTER/ID for a router of this file")
+            if member in member_of:
+                raise ConfigError(f"groups.{name}.members: {member!r} is already a member of group "
+                                  f"{member_of[member]!r}; a caller is in one group at most")
+            member_of[member] = name
+        groups.append(Group(name, tuple(members)))
+    return tuple(groups)
+
+
 def parse_config(raw: Any) -> NodeConfig:
-    top = _section(raw, "config", {"callers", "cache", "limits"}, integers=False) if raw is not None else {}
+    top = (_section(raw, "config", {"callers", "cache", "limits", "groups"}, integers=False)
+           if raw is not None else {})
     callers = []
     for name, entry in (top.get("callers") or {}).items():
         if not isinstance(entry, dict) or set(entry) - CALLER_KEYS or "key_sha256" not in entry:
@@ -164,6 +212,7 @@ def parse_config(raw: Any) -> NodeConfig:
                               entry.get("retention", "keep"), ttl, _requirements(entry, name)))
     defaults = NodeConfig()
     cache = _section(top.get("cache"), "cache", {"node_bytes", "caller_bytes", "plaintext_bytes", "reserve_bytes",
+                                                  "default_ttl_s",
                                                   "device_bytes"})
     limits = _section(top.get("limits"), "limits", {"max_queue", "max_body_bytes", "default_max_tokens",
                                                     "max_running", "prefill_chunk", "lane_bytes",
@@ -175,7 +224,15 @@ def parse_config(raw: Any) -> NodeConfig:
                          cache.get("caller_bytes", defaults.cache.caller_bytes))
     return NodeConfig(callers=tuple(callers), cache=budget, plaintext_bytes=cache.get("plaintext_bytes", 0),
                       reserve_bytes=cache.get("reserve_bytes", defaults.reserve_bytes),
-                      device_bytes=cache.get("device_bytes"), limits=replace(defaults.limits, **limits))
+                      default_ttl_s=_default_ttl(cache.get("default_ttl_s", defaults.default_ttl_s)),
+                      device_bytes=cache.get("device_bytes"), limits=replace(defaults.limits, **limits),
+                      groups=_groups(top.get("groups"), callers))
+
+
+def _default_ttl(seconds: int) -> int:
+    if seconds <= 0:
+        raise ConfigError("'cache.default_ttl_s' must be a positive number of seconds")
+    return seconds
 
 
 def load_config(path: Path) -> NodeConfig:
@@ -203,6 +260,7 @@ def _dump(config: NodeConfig) -> dict[str, Any]:
     """The file's mapping; a key left to the device (None) is left out, as it is read back."""
     cache = {"node_bytes": config.cache.node_bytes, "caller_bytes": config.cache.caller_bytes,
              "plaintext_bytes": config.plaintext_bytes, "reserve_bytes": config.reserve_bytes,
+             "default_ttl_s": config.default_ttl_s,
              "device_bytes": config.device_bytes}
     limits = {"max_queue": config.limits.max_queue, "max_body_bytes": config.limits.max_body_bytes,
               "default_max_tokens": config.limits.default_max_tokens, "max_running": config.limits.max_running,
@@ -213,6 +271,8 @@ def _dump(config: NodeConfig) -> dict[str, Any]:
         "callers": {c.name: _dump_caller(c) for c in config.callers},
         "cache": {key: value for key, value in cache.items() if value is not None},
         "limits": {key: value for key, value in limits.items() if value is not None},
+        **({"groups": {group.name: {"members": list(group.members)} for group in config.groups}}
+           if config.groups else {}),
     }
 
 
@@ -227,11 +287,15 @@ def save_config(path: Path, config: NodeConfig) -> None:
 
 
 def remove_key(path: Path, name: str) -> None:
-    """Remove caller `name`; a running node then destroys the caller's stored state and its key."""
+    """Remove caller `name` (and its group memberships); a running node then destroys the caller's stored state and
+    its key."""
     config = load_config(path)
     if not any(c.name == name for c in config.callers):
         raise ConfigError(f"no caller named {name!r} in {path}")
-    save_config(path, replace(config, callers=tuple(c for c in config.callers if c.name != name)))
+    groups = tuple(replace(group, members=tuple(member for member in group.members
+                                                if member != name and not member.startswith(name + "/")))
+                   for group in config.groups)
+    save_config(path, replace(config, callers=tuple(c for c in config.callers if c.name != name), groups=groups))
 
 
 def add_key(path: Path, name: str, role: str = "caller", retention: str | None = None,

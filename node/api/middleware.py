@@ -8,12 +8,14 @@ which HTTP status each kind of refusal gets.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web, web_protocol
 
+from node.api.anthropic_errors import ANTHROPIC_ROUTES, error_body
 from node.api.keys import CALLER, CONFIG, KEYRING, METRICS
 from node.auth import CALLER_HEADER, acting_for
 from node.errors import (
@@ -54,6 +56,7 @@ HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "
 CLIENT_GONE = "499"
 """The status counted for a request whose client went away before an answer."""
 
+API_KEY_HEADER = "x-api-key"
 PUBLIC_ROUTES = frozenset({"/health", "/v1/node", "/v1/attestation", "/rpc"})
 """Routes that answer without a key. A key sent to them is still checked, and what they show beyond the public
 part depends on it (`/health`'s queue depth for operators; JSON-RPC methods that read a caller's records)."""
@@ -107,7 +110,8 @@ def _route(request: web.Request) -> str | None:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure leaves as an OpenAI-shaped JSON body; request counts by route and status."""
+    """Every failure leaves as an OpenAI-shaped JSON body (Anthropic's on its dialect's routes); request counts by
+    route and status."""
     endpoint = _route(request) or "unmatched"
     metrics = request.app[METRICS]
     try:
@@ -130,6 +134,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception as exc:  # noqa: BLE001 - the node keeps serving; the type is logged, never the content
         log.error("internal error in %s: %s", Safe(endpoint), Safe(type(exc).__name__))
         response = _http_error(500, "internal error; the request was not completed")
+    if (endpoint in ANTHROPIC_ROUTES and response.status >= 400 and isinstance(response, web.Response)
+            and response.text is not None):  # Anthropic's dialect answers in its own error body
+        response.text = json.dumps(error_body(response.status, json.loads(response.text)))
     metrics.requests.labels(endpoint=endpoint, status=str(response.status)).inc()
     return response
 
@@ -150,12 +157,16 @@ def authenticate(request: web.Request, required: bool) -> None:
     sending `Tenzro-Caller`, the caller the router acts for (`node.auth.acting_for`). Without a key nor
     `Tenzro-Caller`, raises Unauthenticated if `required`, else leaves the request without a caller."""
     authorization = request.headers.getall("Authorization", [])
+    # Anthropic's clients send their key as `x-api-key`: the same key, in another header.
+    api_keys = [f"Bearer {key}" for key in request.headers.getall(API_KEY_HEADER, [])]
     asserted = request.headers.getall(CALLER_HEADER, [])
-    if not (required or authorization or asserted):
+    if not (required or authorization or api_keys or asserted):
         return
-    if len(authorization) > 1:  # which one would count is a guess: refused rather than guessed
-        raise Unauthenticated(f"the request has {len(authorization)} Authorization headers: send one, "
-                              f"'Authorization: Bearer <key>'", code="duplicate_authorization")
+    if len(authorization) + len(api_keys) > 1:  # which one would count is a guess: refused rather than guessed
+        headers = f"{len(authorization)} Authorization" + (f" and {len(api_keys)} {API_KEY_HEADER}" if api_keys else "")
+        raise Unauthenticated(f"the request has {headers} headers: send one, 'Authorization: Bearer <key>'"
+                              + (f" or '{API_KEY_HEADER}: <key>'" if api_keys else ""), code="duplicate_authorization")
+    authorization += api_keys
     caller = request.app[KEYRING].caller_for(authorization[0] if authorization else None)
     # The header sent twice reads as its values joined by ", " (RFC 9110), which no caller id matches.
     request[CALLER] = acting_for(caller, ", ".join(asserted)) if asserted else caller

@@ -15,10 +15,11 @@ from typing import Any
 from aiohttp import web
 
 from cache.prefix_cache import ROUTED
+from cache.scope import GROUP
 from cache.summary import EPOCH_S, SummaryFilters, epoch_of, summary_entries
 from metering.signer import SIGNATURE_FIELD, signed_payload
 from node.api.body import off_loop
-from node.api.keys import CALLER, IDENTITY, SERVICE, SUMMARIES
+from node.api.keys import CALLER, IDENTITY, KEYRING, SERVICE, SUMMARIES
 from node.auth import ROUTER, presented_key
 from node.errors import PermissionDenied, invalid_request, model_not_found
 from node.identity import NodeIdentity
@@ -27,13 +28,16 @@ from node.service import ModelService
 routes = web.RouteTableDef()
 
 
-async def warm_forms(service: ModelService, router: str, model: str) -> list[tuple[str, bytes]]:
-    """(caller id, form) for each prefix of `router`'s callers on `model` that the node can still resume; read on
-    the worker thread."""
-    own = router + ROUTED
+async def warm_forms(service: ModelService, router: str, model: str, groups: frozenset[str] = frozenset()
+                     ) -> list[tuple[str, bytes]]:
+    """(caller id, form) for each prefix of `router`'s callers on `model` that the node can still resume, and
+    (`group:NAME`, form) for each of the trust groups `groups` (those with a member it routes); read on the worker
+    thread."""
+    own, shared = router + ROUTED, {GROUP + group for group in groups}
     warm = await asyncio.wrap_future(service.warm_forms(
-        lambda scope: scope.model == model and scope.caller.startswith(own)))
-    return [(scope.caller.removeprefix(own), form) for scope, form in warm]
+        lambda scope: scope.model == model and (scope.caller.startswith(own) or scope.caller in shared)))
+    return [(scope.caller if scope.caller in shared else scope.caller.removeprefix(own), form)
+            for scope, form in warm]
 
 
 def _document(identity: NodeIdentity, filters: SummaryFilters, router: str, model: str, router_key: str, epoch: int,
@@ -69,6 +73,6 @@ async def cache_summary(request: web.Request) -> web.Response:
         raise model_not_found(model)
     router_key = presented_key(request.headers.get("Authorization"))
     epoch = epoch_of(time.time())
-    warm = await warm_forms(service, router.name, model)
+    warm = await warm_forms(service, router.name, model, request.app[KEYRING].groups_routed_by(router.name))
     return web.json_response(await off_loop(request, _document, request.app[IDENTITY], request.app[SUMMARIES],
                                             router.name, model, router_key, epoch, warm))

@@ -225,3 +225,44 @@ def test_a_scope_remembers_its_latest_forms_and_forgets_them_with_its_state(monk
     assert cache.cached_tokens(ROUTED_ALICE) == cache.cached_tokens(ROUTED_BOB) == 0
     cache.expire(lambda caller: 0.0, now=time.monotonic() + 1)
     assert cache.warm_forms(lambda scope: True, anywhere=True) == []
+
+
+def test_holdings_and_lookups_are_one_scopes_own_and_lookups_outlive_its_shredding() -> None:
+    from cache.prefix_cache import Holdings
+
+    cache = make_cache()
+    store(cache, ALICE, list(range(10)))
+    store(cache, ALICE, list(range(5)) + [50, 51, 52])
+    store(cache, BOB, list(range(4)))
+    cache.release(cache.acquire(ALICE, list(range(10)), limit=9, anywhere=True))  # a hit
+    cache.release(cache.acquire(ALICE, [99, 98], limit=1, anywhere=True))  # a miss: nothing agrees
+    cache.release(cache.acquire(Scope("carol", "m"), [1, 2], limit=1, anywhere=True))  # a miss: nothing held
+    # Unsealed (no sealer): every byte is hot. [0,5), [5,10), [5,8): 13 tokens in 3 entries.
+    assert cache.holdings(ALICE) == Holdings(3, 13, 13 * BYTES_PER_TOKEN, 0)
+    assert cache.holdings(BOB) == Holdings(1, 4, 4 * BYTES_PER_TOKEN, 0)
+    assert (cache.lookups[ALICE].hits, cache.lookups[ALICE].misses) == (1, 1)
+    assert (cache.lookups[Scope("carol", "m")].hits, cache.lookups[Scope("carol", "m")].misses) == (0, 1)
+    assert cache.drop(lambda scope: scope == ALICE) == [ALICE]
+    assert cache.holdings(ALICE) == Holdings(0, 0, 0, 0)
+    assert cache.holdings(BOB) == Holdings(1, 4, 4 * BYTES_PER_TOKEN, 0)
+    assert cache.arena.bytes_total == 4 * BYTES_PER_TOKEN
+    assert (cache.lookups[ALICE].hits, cache.lookups[ALICE].misses) == (1, 1)  # counts since start
+    cache.drop_caller("alice")  # a removed key: its counts go too
+    assert ALICE not in cache.lookups and Scope("carol", "m") in cache.lookups
+
+
+def test_held_bytes_split_a_sealed_entry_from_a_hot_one() -> None:
+    from cache.arena import new_prefix_cache
+
+    cache = new_prefix_cache(CacheBudget(10_000 * BYTES_PER_TOKEN, 10_000 * BYTES_PER_TOKEN, "lru"))
+    config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         num_hidden_layers=LAYERS, intermediate_size=8, vocab_size=100)
+    adapter = ModelStateAdapter(model_state_specs(config), config)
+    assert isinstance(cache.arena, StateArena)
+    cache.arena.register_model("m", adapter)
+    cache.register_model("m", adapter.needs_snapshots)
+    store(cache, ALICE, list(range(6)))
+    assert cache.holdings(ALICE).hot_bytes == 6 * BYTES_PER_TOKEN and cache.holdings(ALICE).sealed_bytes == 0
+    cache.seal_cold()
+    held = cache.holdings(ALICE)
+    assert (held.entries, held.tokens, held.hot_bytes, held.sealed_bytes) == (1, 6, 0, 6 * BYTES_PER_TOKEN)

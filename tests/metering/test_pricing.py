@@ -111,7 +111,23 @@ def test_price_fields_in_file_order() -> None:
         "output_price_wei",
         "cached_read_price_wei",
         "cached_write_price_wei",
+        "cached_write_1h_price_wei",
+        "cached_write_24h_price_wei",
     )
+
+
+def test_class_write_prices_are_optional_default_to_the_write_price_and_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "pricing.yaml"
+    path.write_text("input_price_wei: 10\noutput_price_wei: 40\ncached_read_price_wei: 1\n"
+                    "cached_write_price_wei: 12\n")
+    old = load_pricing(path)
+    assert (old.write_1h_price_wei, old.write_24h_price_wei) == (12, 12)
+    assert "cached_write_1h_price_wei" not in old.to_mapping()
+    save_pricing(path, PriceSchedule(10, 40, 1, 12, 20, 30))
+    new = load_pricing(path)
+    assert (new.write_1h_price_wei, new.write_24h_price_wei) == (20, 30)
+    with pytest.raises(PricingError, match="cached_write_1h_price_wei must be a non-negative integer"):
+        PriceSchedule(1, 1, 1, 1, -1)
 
 
 def test_source_picks_up_a_saved_change_without_restart(tmp_path: Path) -> None:

@@ -192,7 +192,43 @@ def test_record_carries_counts_times_and_ids_only() -> None:
         "total_ms",
         "prev_hash",
         "signature",
+        "cached_write_1h_tokens",
+        "cached_write_1h_price_wei",
+        "cached_write_24h_tokens",
+        "cached_write_24h_price_wei",
     )
+
+
+CLASS_PRICES = PriceSchedule(10, 40, 1, 12, cached_write_1h_price_wei=20, cached_write_24h_price_wei=30)
+
+
+def test_writes_of_each_time_to_live_class_are_charged_at_its_price() -> None:
+    counts = TokenCounts(100, 10, 60, 5, cached_write_1h_tokens=40, cached_write_24h_tokens=15)
+    # 30 uncached * 10 + 10 reads * 1 + 5 default writes * 12 + 40 * 20 + 15 * 30 + 5 output * 40
+    assert cost_wei(counts, CLASS_PRICES) == 300 + 10 + 60 + 800 + 450 + 200 == 1820
+    # A schedule without class prices charges them as plain writes.
+    assert cost_wei(counts, PriceSchedule(10, 40, 1, 12)) == 300 + 10 + 60 * 12 + 200
+    with pytest.raises(RecordError, match="exceed cached_write_tokens"):
+        TokenCounts(100, 10, 60, 5, cached_write_1h_tokens=50, cached_write_24h_tokens=15)
+
+
+def test_a_class_write_is_signed_with_its_price_and_only_then_in_the_json() -> None:
+    record = make_draft(counts=TokenCounts(100, 10, 60, 5, cached_write_1h_tokens=40), prices=CLASS_PRICES)
+    assert (record.cached_write_1h_tokens, record.cached_write_1h_price_wei) == (40, 20)
+    assert (record.cached_write_24h_tokens, record.cached_write_24h_price_wei) == (0, 0)  # none: no price named
+    obj = record.to_json()
+    assert obj["cached_write_1h_tokens"] == 40 and obj["cached_write_1h_price_wei"] == "20"
+    assert "cached_write_24h_tokens" not in obj and "cached_write_24h_price_wei" not in obj
+    assert UsageRecord.from_json(obj) == record
+    assert record.cost_wei == 30 * 10 + 10 * 1 + 20 * 12 + 40 * 20 + 5 * 40 == 1550
+    with pytest.raises(RecordError, match="members together"):
+        UsageRecord.from_json({**obj, "cached_write_24h_tokens": 0, "cached_write_24h_price_wei": "0"})
+    with pytest.raises(RecordError, match="members together"):
+        UsageRecord.from_json({k: v for k, v in obj.items() if k != "cached_write_1h_price_wei"})
+    with pytest.raises(RecordError, match="must be 0 when cached_write_24h_tokens is 0"):
+        replace(record, cached_write_24h_price_wei=5)
+    with pytest.raises(CostMismatch):
+        replace(record, cached_write_1h_price_wei=21)
 
 
 NODE_KEY_ID = "56475aa75463474c"  # key_id of NODE_SEED's public key

@@ -16,7 +16,8 @@ from ledger_fixtures import EVIDENCE_DIGEST, OTHER_EVIDENCE_DIGEST, LedgerFactor
 from metering.canonical import canonical_json, parse_canonical
 from metering.ledger import Ledger
 from metering.merkle import MerkleTree
-from metering.record import ZERO_HASH
+from metering.pricing import PriceSchedule
+from metering.record import ZERO_HASH, Latency, TokenCounts
 from metering.segment import SegmentFormatError
 from metering.signer import NodeSigner, SignatureInvalid, signed_payload
 from metering.tree_head import TreeHead
@@ -63,6 +64,22 @@ def test_untouched_segment_verifies(ledger: Ledger, node_signer: NodeSigner) -> 
     assert report.root_hash_hex == ledger.tree_head().root_hash_hex
     assert report.tree_head_size is None
     assert report.evidence_digest == EVIDENCE_DIGEST
+
+
+def test_class_writes_verify_beside_records_without_them_and_their_price_is_signed(
+    ledger: Ledger, node_signer: NodeSigner
+) -> None:
+    prices = PriceSchedule(3, 11, 1, 5, cached_write_1h_price_wei=8, cached_write_24h_price_wei=9)
+    ledger.append(record_id="msg_1h", caller_id="caller-a", model="tiny", status="completed",
+                  counts=TokenCounts(100, 0, 60, 2, cached_write_1h_tokens=40, cached_write_24h_tokens=20),
+                  prices=prices, latency=Latency(1, 2, 3))
+    report = verify(ledger, node_signer)
+    assert (report.ok, report.good_records) == (True, 7)
+    lines = lines_of(ledger.path)
+    assert b'"cached_write_1h_price_wei":"8"' in lines[-1] and b"cached_write_1h" not in lines[2]
+    lines[-1] = lines[-1].replace(b'"cached_write_1h_price_wei":"8"', b'"cached_write_1h_price_wei":"5"')
+    write_lines(ledger.path, lines)
+    assert where(verify(ledger, node_signer))[:2] == ("bad-signature", 8)
 
 
 def test_empty_segment_verifies(make_ledger: LedgerFactory, node_signer: NodeSigner) -> None:

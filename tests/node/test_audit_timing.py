@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.local_node import TENZRO
-from node.audit_timing import ALPHA, MIN_SAMPLES, Sample, judge, kolmogorov_q, ks_two_sample
+from node.audit_timing import ALPHA, MIN_SAMPLES, Sample, judge, kolmogorov_q, ks_two_sample, prompt_text
 from node.cli import build_parser
 
 SAMPLES = 12
@@ -178,3 +178,26 @@ def test_audit_detects_own_reuse_and_gives_b_none(small_model_dir: Path, tmp_pat
     assert [line.split()[0] for line in lines[1:3]] == ["cross-caller", "own-caller"]
     assert lines[2].endswith("differ: pass")
     assert lines[3] == f"caller B: cached tokens not 0 in 0 of {2 * SAMPLES} requests: pass"
+
+
+def test_the_group_audit_has_a_member_write_its_groups_scope_and_a_non_member_read_nothing(
+        small_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "audit.json"
+    env = {**os.environ, "TENZRO_HOME": str(tmp_path / "home")}
+    result = subprocess.run(
+        [*TENZRO, "audit", "timing", "--model", str(small_model_dir), "--samples", str(MIN_SAMPLES), "--length", "32",
+         "--seed", "7", "--group", "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode in (0, 1), result.stderr
+    report = json.loads(out.read_text())
+    assert report["settings"]["group"] is True
+    assert (report["b_requests"], report["b_cached_requests"]) == (2 * MIN_SAMPLES, 0)
+    for sample in report["samples"]:
+        if sample["condition"] == "hit":  # A's own second request: all but the last token
+            assert sample["cached_tokens"] == sample["prompt_tokens"] - 1, sample
+        elif sample["condition"] == "miss":  # a fresh prompt: only the chat template's opening tokens
+            assert 0 < sample["cached_tokens"] < 8, sample
+    assert "A a member of a trust group, B not" in result.stderr
+
+
+def test_prompt_text_writes_each_id_as_a_word_of_its_own() -> None:
+    assert prompt_text([0, 25, 26, 27, 26 * 26]) == "a z ab bb aab"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from node.auth import KeyRing
-from node.config import ConfigError, add_key, hash_key, load_config, parse_config, save_config
+from node.config import ConfigError, Group, add_key, hash_key, load_config, parse_config, remove_key, save_config
 from node.errors import Unauthenticated
 from policies.requirements import NO_REQUIREMENTS, CallerRequirements
 from tests.node.conftest import tenzro
@@ -55,6 +55,21 @@ def test_config_rejects_unknown_keys_and_bad_values() -> None:
         parse_config({"cache": {"reserve_bytes": -1}})
     with pytest.raises(ConfigError, match="caller name"):
         add_key(Path("/nonexistent/x.yaml"), "bad name!")
+
+
+def test_a_callers_default_time_to_live_is_its_own_else_the_nodes(tmp_path: Path) -> None:
+    assert parse_config({}).default_ttl_s == 300
+    with pytest.raises(ConfigError, match="cache.default_ttl_s"):
+        parse_config({"cache": {"default_ttl_s": 0}})
+    config = tmp_path / "node.yaml"
+    add_key(config, "alice")
+    add_key(config, "bob", ttl_s=7200)
+    save_config(config, replace(load_config(config), default_ttl_s=600))
+    assert load_config(config).default_ttl_s == 600
+    save_config(config, replace(load_config(config), groups=(Group("team", ("alice", "bob")),)))
+    ring = KeyRing(config)
+    assert (ring.ttl_of("alice"), ring.ttl_of("bob"), ring.ttl_of("carol")) == (600, 7200, None)
+    assert (ring.ttl_of("group:team"), ring.ttl_of("team"), ring.ttl_of("group:other")) == (600, None, None)
 
 
 def test_device_bytes_and_the_prefill_chunk_are_left_to_the_device_unless_set(tmp_path: Path) -> None:
@@ -123,3 +138,36 @@ def test_caller_requirements_survive_save_and_load_and_a_new_key(tmp_path: Path)
     add_key(path, "alice")  # a new key keeps what the operator required of the caller
     assert [(c.name, c.requirements) for c in load_config(path).callers] == [("bob", NO_REQUIREMENTS),
                                                                             ("alice", strict)]
+
+
+def test_groups_name_callers_of_the_file_each_in_one_group_at_most() -> None:
+    callers = {name: {"key_sha256": name} for name in ("a", "b", "c")}
+    parsed = parse_config({"callers": callers, "groups": {"team": {"members": ["a", "b"]}}})
+    assert [(group.name, group.members) for group in parsed.groups] == [("team", ("a", "b"))]
+    routed = parse_config({"callers": {**callers, "r": {"key_sha256": "r", "role": "router"}},
+                           "groups": {"team": {"members": ["r/alice", "c"]}}})
+    assert routed.groups[0].members == ("r/alice", "c")  # a caller router r acts for
+    for groups, message in (({"team": {"members": ["z"]}}, "'z' is neither a caller"),
+                            ({"t1": {"members": ["a"]}, "t2": {"members": ["a"]}}, "already a member of group 't1'"),
+                            ({"team": {"members": "a"}}, "groups.team must have only 'members'"),
+                            ({"team": {"members": [], "ttl": 1}}, "groups.team must have only 'members'"),
+                            ({"bad name": {"members": []}}, "group name"),
+                            ({"team": {"members": ["a/alice"]}}, "'a/alice' is neither a caller")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config({"callers": callers, "groups": groups})
+
+
+def test_the_keyring_reads_memberships_now_and_reports_a_removed_group(tmp_path: Path) -> None:
+    config = tmp_path / "node.yaml"
+    add_key(config, "a")
+    add_key(config, "b")
+    save_config(config, replace(load_config(config), groups=parse_config(
+        {"callers": {"a": {"key_sha256": "x"}, "b": {"key_sha256": "y"}},
+         "groups": {"team": {"members": ["a", "b"]}}}).groups))
+    removed: list[str] = []
+    ring = KeyRing(config, on_removed=removed.append)
+    assert (ring.group_of("a"), ring.group_of("b"), ring.group_of("c")) == ("team", "team", None)
+    remove_key(config, "b")  # and its membership with it
+    assert (ring.group_of("a"), ring.group_of("b"), removed) == ("team", None, ["b"])
+    save_config(config, replace(load_config(config), groups=()))
+    assert ring.group_of("a") is None and removed == ["b", "group:team"]
