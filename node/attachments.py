@@ -1,4 +1,5 @@
-"""Image attachments of a chat request: OpenAI `image_url` content parts decoded into RGB images under limits.
+"""Attachments of a chat request: OpenAI `image_url` parts decoded into RGB images and `input_audio` parts into
+mono samples, under limits.
 
 A part arrives as `{"type": "image_url", "image_url": {"url": "data:image/png;base64,...", "detail": "auto"}}`.
 Only inline `data:` URLs are taken: a confidential node fetches nothing on a caller's behalf (a fetch would leak
@@ -15,6 +16,11 @@ in. Every refusal is the node's 400 (`InvalidRequest`) with `param` naming the p
 Pillow's process-wide settings are read, never written: `Image.MAX_IMAGE_PIXELS` is left as it is (the node's own
 `max_pixels` is the limit that decides), and `ImageFile.LOAD_TRUNCATED_IMAGES` must stay False (its default), or
 a truncated image would load with its missing rows filled in grey instead of being refused.
+
+Audio arrives as `{"type": "input_audio", "input_audio": {"data": "<base64>", "format": "wav"}}` (OpenAI's shape;
+`"mp3"` too) and is decoded by libsndfile (`soundfile`: integer and float WAV, MP3), its format checked against the
+declared one and its length, channels and rate checked from the header before any sample is read, its channels
+averaged to mono block by block, and resampled to the encoders' `AUDIO_RATE` by soxr.
 """
 
 from __future__ import annotations
@@ -24,11 +30,14 @@ import hashlib
 import io
 import struct
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NewType
+from typing import Any, ClassVar, NewType
 from urllib.parse import urlsplit
 
+import numpy as np
+import soundfile
+import soxr
 from PIL import Image, UnidentifiedImageError
 
 from node.errors import InvalidRequest, invalid_request
@@ -56,6 +65,18 @@ first picture is the image, and its MIME type is `image/jpeg`."""
 DETAILS = ("auto", "low", "high")
 """OpenAI's `image_url.detail` values."""
 
+AUDIO_FORMATS = ("wav", "mp3")
+"""OpenAI's `input_audio.format` values."""
+SOUND_FORMATS = {"WAV": "wav", "WAVEX": "wav", "MP3": "mp3"}
+"""libsndfile's name of a file's format -> the `input_audio.format` it is."""
+MIN_RATE, MAX_RATE = 8_000, 192_000
+"""Sample rates taken: telephone audio to studio masters."""
+BLOCK_FRAMES = 1 << 16
+"""Frames decoded at once while mixing to mono."""
+AUDIO_RATE = 16_000
+"""Samples a second of the audio handed to a model: Whisper's feature extractor's rate, which the audio encoders
+transformers provides read (`media.MediaFamily` refuses a model whose extractor reads another)."""
+
 
 @dataclass(frozen=True, slots=True)
 class AttachmentLimits:
@@ -71,16 +92,23 @@ class AttachmentLimits:
       more would not fit a small model's context; 16 still keeps the images of a long conversation's history.
     - `formats` PNG, JPEG, WEBP, GIF: see `MIME_TYPES`. Pillow parses no header of any other format.
     - `allowed_hosts` none: a confidential node fetches nothing for a caller (see the module's docstring).
+    - `max_audio_seconds` 600 per audio part: ten minutes, the most Audio Flamingo 3's processor reads before it
+      cuts the rest (20 windows of 30 s); at 16 kHz that is 15,000 placeholder tokens, so the context usually
+      binds first. Checked from the header, before samples are read. `max_bytes` bounds the file too.
+    - `max_channels` 8: 7.1 surround; more is not a recording a caller means as speech or sound.
+    - images and audio parts count together against `max_attachments`: each is an encoder call.
     """
 
     max_bytes: int = 16 * 1024 * 1024
     max_pixels: int = 4096 * 4096
     max_attachments: int = 16
+    max_audio_seconds: int = 600
+    max_channels: int = 8
     formats: frozenset[str] = frozenset(MIME_TYPES)
     allowed_hosts: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_pixels", "max_attachments"):
+        for name in ("max_bytes", "max_pixels", "max_attachments", "max_audio_seconds", "max_channels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"attachment limit {name} must be at least 1, not {getattr(self, name)}")
         unknown = sorted(self.formats - MIME_TYPES.keys())
@@ -108,6 +136,7 @@ class ImageAttachment:
     put in an error, a metric or a file (it identifies the caller's image to anyone who holds a copy of it), so it
     is also kept out of `repr`."""
 
+    kind: ClassVar[str] = "image"
     image: Image.Image
     """The pixels as mode `RGB`, loaded (no file handle kept), alpha dropped as transformers' processors drop it."""
     size: tuple[int, int]
@@ -118,31 +147,58 @@ class ImageAttachment:
     """The caller's `image_url.detail`, one of `DETAILS` ("auto" when absent), for the model's processor."""
     digest: AttachmentDigest = field(repr=False)
 
+    @property
+    def content(self) -> Image.Image:
+        """What a model's processor reads of it."""
+        return self.image
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AudioAttachment:
+    """One decoded audio clip. `digest` (of the file's bytes) is memory-only, as an image's is. Compared by identity:
+    its samples are an array."""
+
+    kind: ClassVar[str] = "audio"
+    samples: np.ndarray = field(repr=False)
+    """`[frames]` float32 in [-1, 1), mono, at `rate`."""
+    rate: int
+    seconds: float
+    digest: AttachmentDigest = field(repr=False)
+
+    @property
+    def content(self) -> np.ndarray:
+        """What a model's processor reads of it."""
+        return self.samples
+
+
+MediaAttachment = ImageAttachment | AudioAttachment
+
 
 @dataclass(frozen=True, slots=True)
 class PlacedAttachment:
     """An attachment and the content part it came from, in request order."""
 
     index: PartIndex
-    attachment: ImageAttachment
+    attachment: MediaAttachment
 
 
-def collect_images(messages: Sequence[Any], limits: AttachmentLimits) -> tuple[PlacedAttachment, ...]:
-    """Every `image_url` part of `messages`, decoded, in the order the prompt holds them. The parts are counted
-    before any is decoded, so a request over `max_attachments` is refused at the cost of a walk. What this module
-    does not own is skipped (text parts, string contents, malformed messages): the chat parser refuses those."""
-    image_parts = [
+def collect_attachments(messages: Sequence[Any], limits: AttachmentLimits) -> tuple[PlacedAttachment, ...]:
+    """Every `image_url` and `input_audio` part of `messages`, decoded, in the order the prompt holds them. The parts
+    are counted, both kinds together, before any is decoded, so a request over `max_attachments` is refused at the
+    cost of a walk. What this module does not own is skipped (text parts, string contents, malformed messages): the
+    chat parser refuses those."""
+    media_parts = [
         (PartIndex(message_index, part_index), part)
         for message_index, message in enumerate(messages)
         if isinstance(message, dict) and isinstance(message.get("content"), list)
         for part_index, part in enumerate(message["content"])
-        if isinstance(part, dict) and part.get("type") == "image_url"
+        if isinstance(part, dict) and part.get("type") in PARSERS
     ]
-    if len(image_parts) > limits.max_attachments:
-        raise invalid_request(f"the request holds {len(image_parts)} images; this node takes at most "
-                              f"{limits.max_attachments} in one request: send fewer",
-                              param=image_parts[limits.max_attachments][0].param(), code="array_above_max_length")
-    return tuple(PlacedAttachment(index, parse_image_part(part, index, limits)) for index, part in image_parts)
+    if len(media_parts) > limits.max_attachments:
+        raise invalid_request(f"the request holds {len(media_parts)} attachments (images and audio); this node takes "
+                              f"at most {limits.max_attachments} in one request: send fewer",
+                              param=media_parts[limits.max_attachments][0].param(), code="array_above_max_length")
+    return tuple(PlacedAttachment(index, PARSERS[part["type"]](part, index, limits)) for index, part in media_parts)
 
 
 def parse_image_part(part: Any, index: PartIndex, limits: AttachmentLimits) -> ImageAttachment:
@@ -156,9 +212,94 @@ def parse_image_part(part: Any, index: PartIndex, limits: AttachmentLimits) -> I
         raise _refusal(index.param("image_url.detail"), f"must be one of {', '.join(DETAILS)}")
     param = index.param("image_url.url")
     declared, data = _data_url(image_url["url"], param, limits)
+    return decode_image(data, param, limits, declared, detail)
+
+
+def parse_audio_part(part: Any, index: PartIndex, limits: AttachmentLimits) -> AudioAttachment:
+    """The audio of one `input_audio` content part, or the 400 that says what to change."""
+    audio = part.get("input_audio") if isinstance(part, dict) else None
+    if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
+        raise _refusal(index.param("input_audio"), "must be an object with a string 'data' (the audio file in "
+                                                   "base64) and a 'format' (wav or mp3)")
+    if audio.get("format") not in AUDIO_FORMATS:
+        raise _refusal(index.param("input_audio.format"), f"must be one of {', '.join(AUDIO_FORMATS)}")
+    param = index.param("input_audio.data")
+    return decode_audio(_base64(audio["data"], param, limits, "audio"), param, limits, audio["format"])
+
+
+def decode_audio(data: bytes, param: str, limits: AttachmentLimits, declared: str = "wav") -> AudioAttachment:
+    """A WAV or MP3 file's samples (`declared`: the part's `format`, which the data must be), mono, under `limits`,
+    resampled to `AUDIO_RATE`."""
+    if len(data) > limits.max_bytes:
+        raise _refusal(param, f"the audio is over {limits.max_bytes} bytes, the most this node takes per audio part")
+    try:
+        info = soundfile.info(io.BytesIO(data))
+    except (soundfile.SoundFileError, RuntimeError, TypeError, ValueError):
+        raise _refusal(param, "the data is not a WAV or MP3 file this node can decode") from None
+    decoded = SOUND_FORMATS.get(info.format)
+    if decoded is None:
+        raise _refusal(param, f"the data is a {info.format} file; this node takes {', '.join(AUDIO_FORMATS)}")
+    if decoded != declared:
+        raise _refusal(param, f"is declared {declared} but the data is a {decoded} file: declare {decoded}")
+    if decoded == "wav" and _wav_truncated(data):
+        raise _refusal(param, "the audio data is truncated")  # libsndfile would play what is there
+    channels, rate = info.channels, info.samplerate
+    if not 1 <= channels <= limits.max_channels:
+        raise _refusal(param, f"the audio has {channels} channels; this node takes 1 to {limits.max_channels}")
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise _refusal(param, f"the audio is sampled at {rate} Hz; this node takes {MIN_RATE} to {MAX_RATE} Hz")
+    if info.frames > limits.max_audio_seconds * rate:
+        raise _refusal(param, f"the audio is over {limits.max_audio_seconds} seconds, the most this node takes per "
+                              "audio part: send it shorter")
+    blocks: list[np.ndarray] = []
+    frames = 0
+    try:
+        # Mixed to mono block by block: a many-channel clip is never held whole.
+        for block in soundfile.blocks(io.BytesIO(data), blocksize=BLOCK_FRAMES, dtype="float32", always_2d=True):
+            frames += len(block)
+            if frames > limits.max_audio_seconds * rate:  # an MP3's header only estimates its length
+                raise _refusal(param, f"the audio is over {limits.max_audio_seconds} seconds, the most this node "
+                                      "takes per audio part: send it shorter")
+            blocks.append(block.mean(axis=1, dtype=np.float32))
+    except (soundfile.SoundFileError, RuntimeError):
+        raise _refusal(param, "the audio data is corrupt") from None
+    if not frames:
+        raise _refusal(param, "the audio holds no samples")
+    samples = np.concatenate(blocks)
+    if rate != AUDIO_RATE:
+        samples = soxr.resample(samples, rate, AUDIO_RATE).astype(np.float32, copy=False)
+    return AudioAttachment(samples=samples, rate=AUDIO_RATE, seconds=frames / rate,
+                           digest=AttachmentDigest(hashlib.sha256(data).digest()))
+
+
+def _wav_truncated(data: bytes) -> bool:
+    """Whether a RIFF/WAVE file's `data` chunk declares more bytes than the file holds (a header libsndfile has
+    opened: its chunks are well formed up to `data`)."""
+    at = 12
+    while at + 8 <= len(data):
+        name, size = data[at:at + 4], int.from_bytes(data[at + 4:at + 8], "little")
+        if name == b"data":
+            return size != 0xFFFFFFFF and at + 8 + size > len(data)  # 0xFFFFFFFF: a streamed file's unknown length
+        at += 8 + size + (size & 1)
+    return False
+
+
+def image_from_data_url(url: str, param: str, limits: AttachmentLimits) -> ImageAttachment:
+    """The image of a `data:` URL outside a chat message (an image edit's `image`), `param` naming its field."""
+    declared, data = _data_url(url, param, limits)
+    return decode_image(data, param, limits, declared)
+
+
+def decode_image(data: bytes, param: str, limits: AttachmentLimits, declared: str | None = None,
+                 detail: str = "auto") -> ImageAttachment:
+    """`data` decoded under `limits`; `declared`: the format its sender named (a data: URL's type), which the
+    data must be, or None where nothing was declared (a multipart file, whose own header is not trusted)."""
+    if len(data) > limits.max_bytes:
+        raise _refusal(param, f"the image is over {limits.max_bytes} bytes, the most this node takes per image: "
+                              "send it scaled down or compressed")
     with _open(data, param, limits) as image:
         decoded = SAME_FORMAT.get(str(image.format), str(image.format))
-        if decoded != declared:
+        if declared is not None and decoded != declared:
             raise _refusal(param, f"declares {MIME_TYPES[declared][0]} but the data is a {decoded} image: "
                                   f"declare {MIME_TYPES[decoded][0]}")
         width, height = image.size
@@ -186,11 +327,16 @@ def _data_url(url: str, param: str, limits: AttachmentLimits) -> tuple[str, byte
     if declared is None:
         mime_types = [mime for name in sorted(limits.formats) for mime in MIME_TYPES[name]]
         raise _refusal(param, f"declares a MIME type this node does not take; use one of {', '.join(mime_types)}")
+    return declared, _base64(payload, param, limits, "image")
+
+
+def _base64(payload: str, param: str, limits: AttachmentLimits, kind: str) -> bytes:
+    """The bytes of a base64 `payload`, its size checked from its length before anything is decoded."""
     if -(-len(payload) // 4) * 3 > limits.max_bytes:  # an upper bound: padding counted as data (2 bytes at most)
-        raise _refusal(param, f"the decoded image would be over {limits.max_bytes} bytes, the most this node takes "
-                              "per image: send it scaled down or compressed")
+        raise _refusal(param, f"the decoded {kind} would be over {limits.max_bytes} bytes, the most this node takes "
+                              f"per {kind}: send it {'scaled down or compressed' if kind == 'image' else 'shorter'}")
     try:
-        return declared, base64.b64decode(payload, validate=True)
+        return base64.b64decode(payload, validate=True)
     except ValueError:
         raise _refusal(param, "the data is not valid base64 (standard alphabet, padded, no whitespace)") from None
 
@@ -261,3 +407,8 @@ def _corrupt(param: str) -> InvalidRequest:
 def _too_many_pixels(param: str, limits: AttachmentLimits) -> InvalidRequest:
     return _refusal(param, f"the image declares more than {limits.max_pixels} pixels, the most this node decodes "
                            "per image: send it scaled down")
+
+
+PARSERS: dict[str, Callable[[Any, PartIndex, AttachmentLimits], MediaAttachment]] = {
+    "image_url": parse_image_part, "input_audio": parse_audio_part}
+"""The content part types this module decodes, and how."""

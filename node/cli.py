@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING
 from attestation.cli import add_verify_parser
 from attestation.fetch import add_fetch_parser
 from bench.agent import add_agent_bench
+from bench.experts import add_experts_bench
 from bench.hostile import add_hostile_bench
 from bench.load import add_load_bench
+from bench.media import add_media_bench
 from bench.reuse import add_reuse_bench
 from bench.route import add_route_bench
 from bench.scenarios import add_scenarios_bench
@@ -36,23 +38,30 @@ from node.config import (
     remove_key,
     tenzro_home,
 )
+from node.experts_cli import add_experts_commands, add_experts_serve_flags, experts_topology
 from node.log_privacy import install_privacy_filter
 from router.cli import add_router_commands
 
 if TYPE_CHECKING:
+    from node.code_identity import PendingIdentity
+    from node.config import NodeConfig
+    from node.hygiene import HygieneState
     from node.identity import NodeIdentity
     from node.meter import Meter, MeteringPaths
     from node.service import ModelService
-    from node.tls import NodeCertificate
+    from node.tls import NodeCertificate, NodeTls
+    from policies.node_policy import NodePolicy
 
 
 ARCHITECTURE_CLASSES = ("dense", "swa", "alternating", "ssm", "hybrid", "moe", "hybrid-moe")
 MODEL_FAMILIES = ("llama", "mistral", "gemma2", "gemma3", "mixtral", "olmoe", "qwen2-moe", "mamba", "mamba2",
                   "jamba", "bamba", "falcon-h1", "granite-moe-hybrid", "lfm2", "qwen3-next")
 VISION_LANGUAGE_FAMILIES = ("vlm-llava", "vlm-qwen2", "vlm-gemma3")
-"""What `tenzro models init --arch` builds (node.engine.synthetic's CLASSES and FAMILIES and synthetic_vlm's
-VISION_LANGUAGE, which tests hold equal): named here because importing those modules loads torch and
-transformers, seconds `--help` should not take."""
+AUDIO_LANGUAGE_FAMILIES = ("alm-audioflamingo3",)
+MEDIA_FAMILIES = ("diffusion",)
+"""What `tenzro models init --arch` builds (node.engine.synthetic's CLASSES and FAMILIES, synthetic_vlm's
+VISION_LANGUAGE and synthetic_alm's AUDIO_LANGUAGE, which tests hold equal): named here because importing those
+modules loads torch and transformers, seconds `--help` should not take."""
 
 
 def default_threads() -> int:
@@ -158,7 +167,9 @@ def _serve(args: argparse.Namespace) -> int:
     from node.api.app import create_app
     from node.api.keys import METER
     from node.code_identity import IdentityError, start_hashing
+    from node.engine.experts import ExpertsError
     from node.engine.loader import ModelLoadError, load_model, resolve_model_dir
+    from node.media.model_dir import is_diffusers_dir
     from node.meter import MeteringPaths, ensure_price_file
     from node.service import ModelService
     from router.edge import serve
@@ -178,11 +189,14 @@ def _serve(args: argparse.Namespace) -> int:
         model_id, path = resolve_model_dir(args.model, tenzro_home())
         # The code and the weights hash on threads of their own while the model loads (node.code_identity).
         hashing = start_hashing({model_id: path})
-        loaded = load_model(model_id, path, device=args.device, dtype=args.dtype)
+        if is_diffusers_dir(path):
+            return _serve_media(args, config, config_path, metering, model_id, path, created_prices, new_key,
+                                policy, hygiene, identity, node_tls, hashing)
+        loaded = load_model(model_id, path, device=args.device, dtype=args.dtype, experts=experts_topology(args))
         # The boot's evidence again, now binding the TLS key, the code and the model (binding v2).
         identity = identity.with_served(hashing.result(), node_tls.certificate.spki_sha256 if node_tls else None)
     except (ConfigError, ModelLoadError, PricingError, OSError, IdentityError, EvidenceUnavailable,
-            MalformedEvidence) as exc:
+            MalformedEvidence, ExpertsError) as exc:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -215,6 +229,46 @@ def _serve(args: argparse.Namespace) -> int:
             + _served_lines(identity, hashing.waited_s),
             flush=True), ssl_context=node_tls.context if node_tls else None)
     except (LedgerError, PricingError, OSError) as exc:  # the meter's files, or the port, at startup
+        print(f"tenzro: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _serve_media(args: argparse.Namespace, config: NodeConfig, config_path: Path, metering: MeteringPaths,
+                 model_id: str, path: Path, created_prices: bool, new_key: str | None, policy: NodePolicy,
+                 hygiene: HygieneState, identity: NodeIdentity, node_tls: NodeTls | None,
+                 hashing: PendingIdentity) -> int:
+    """`node serve` of a diffusers directory: an image node (`node.media`), with the same keys, identity, metering
+    and TLS as a text node."""
+    from node.api.keys import METER
+    from node.media.api import create_media_app
+    from node.media.pipeline import PipelineLoadError
+    from node.media.service import MediaService
+    from router.edge import serve
+
+    try:
+        media = MediaService.create(model_id, path, config.limits, reuse=not args.no_reuse, sealed=not args.no_seal,
+                                    device=args.device, dtype=args.dtype)
+        identity = identity.with_served(hashing.result(), node_tls.certificate.spki_sha256 if node_tls else None)
+    except (PipelineLoadError, OSError) as exc:
+        print(f"tenzro: error: {exc}", file=sys.stderr)
+        return 2
+    certificate = node_tls.certificate if node_tls else None
+    app = create_media_app(config, config_path, media, metering, identity, policy,
+                           hygiene={**hygiene.as_json(), "policy": policy.name}, tls=certificate)
+    base = f"{'https' if certificate else 'http'}://{args.host}:{args.port}/v1"
+    key_line = (f"A new API key for caller 'local' (shown once; only its hash is stored):\n"
+                f"  export TENZRO_API_KEY={new_key}\n" if new_key else "")
+    message = (f"tenzro node: serving model '{model_id}' at {base}, an image model (POST /v1/images/generations, "
+               f"/v1/images/edits; sizes {', '.join(media.pipeline.sizes)}; encodings "
+               f"{'reused per caller' if media.reuse_enabled else 'not kept (--no-reuse)'})\n{key_line}"
+               + _tls_lines(certificate))
+    try:
+        serve(app, args.host, args.port, config.limits.header_timeout_s, started=lambda: print(
+            message + _metering_lines(app[METER], metering, created_prices) + _attestation_line(identity)
+            + _served_lines(identity, hashing.waited_s),
+            flush=True), ssl_context=node_tls.context if node_tls else None)
+    except (LedgerError, PricingError, OSError) as exc:
         print(f"tenzro: error: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -323,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                        help="weights dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    add_experts_serve_flags(serve)
     serve.set_defaults(func=_serve)
 
     keys = groups.add_parser("keys", help="API keys").add_subparsers(dest="command", required=True)
@@ -345,24 +400,31 @@ def build_parser() -> argparse.ArgumentParser:
     models = groups.add_parser("models", help="models").add_subparsers(dest="command", required=True)
     init = models.add_parser("init", help="write a deterministic randomly initialised model directory")
     init.add_argument("--arch", default="dense", choices=[*ARCHITECTURE_CLASSES, *MODEL_FAMILIES,
-                                                          *VISION_LANGUAGE_FAMILIES], metavar="ARCH",
+                                                          *VISION_LANGUAGE_FAMILIES, *AUDIO_LANGUAGE_FAMILIES,
+                                                          *MEDIA_FAMILIES], metavar="ARCH",
                       help=f"an architecture class: {', '.join(ARCHITECTURE_CLASSES)} (default: dense); or a model "
                            f"family: {', '.join(MODEL_FAMILIES)}; or a vision-language model with its processor: "
-                           f"{', '.join(VISION_LANGUAGE_FAMILIES)} (sizes default and small)")
+                           f"{', '.join(VISION_LANGUAGE_FAMILIES)} (sizes default and small); or an audio-language "
+                           f"model with its processor: {', '.join(AUDIO_LANGUAGE_FAMILIES)} (sizes default and small); "
+                           "or an image "
+                           f"pipeline (diffusers, 64x64): {', '.join(MEDIA_FAMILIES)}")
     init.add_argument("--size", default="default", choices=["default", "small", "1b"])
     init.add_argument("dir")
     init.set_defaults(func=_models_init)
 
     add_metering_commands(groups)
+    add_experts_commands(groups)
 
     bench = groups.add_parser("bench", help="benchmarks").add_subparsers(dest="command", required=True)
     add_reuse_bench(bench)
     add_seal_bench(bench)
+    add_experts_bench(bench)
     add_agent_bench(bench)
     add_scenarios_bench(bench)
     add_route_bench(bench)
     add_load_bench(bench)
     add_hostile_bench(bench)
+    add_media_bench(bench)
     add_audit_commands(groups)
     add_router_commands(groups)
     add_client_commands(groups)

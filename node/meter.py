@@ -15,7 +15,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Coroutine, Mapping
+from collections.abc import Awaitable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +79,9 @@ def usage_of(outcome: Finished | Failed) -> tuple[RecordStatus, TokenCounts]:
     status: RecordStatus = "cancelled" if result.finish_reason == "cancelled" else "completed"
     return status, TokenCounts(input_tokens=result.prompt_tokens, cached_read_tokens=result.cached_read_tokens,
                                cached_write_tokens=result.cached_write_tokens,
-                               output_tokens=len(result.output_ids))
+                               output_tokens=len(result.output_ids),
+                               cached_write_1h_tokens=result.cached_write_1h_tokens,
+                               cached_write_24h_tokens=result.cached_write_24h_tokens)
 
 
 def latency_of(outcome: Finished | Failed, total_s: float) -> Latency:
@@ -136,7 +138,10 @@ class Meter:
         return self.ledger.boot_id
 
     def _append(self, completion: Completion, outcome: Finished | Failed, latency: Latency) -> UsageRecord:
-        status, counts = usage_of(outcome)
+        return self._append_counts(completion, *usage_of(outcome), latency)
+
+    def _append_counts(self, completion: Completion, status: RecordStatus, counts: TokenCounts,
+                       latency: Latency) -> UsageRecord:
         return self.ledger.append(record_id=completion.record_id, caller_id=completion.caller_id,
                                   model=completion.model, status=status, counts=counts,
                                   prices=self.pricing.current(), latency=latency)
@@ -144,6 +149,24 @@ class Meter:
     async def record(self, completion: Completion, outcome: Finished | Failed, latency: Latency) -> UsageRecord:
         """Sign and durably append the record of `outcome`, with the prices in force now."""
         return await asyncio.to_thread(self._append, completion, outcome, latency)
+
+    async def record_counts(self, completion: Completion, status: RecordStatus, counts: TokenCounts,
+                            latency: Latency) -> UsageRecord:
+        """Sign and durably append a record whose counts the caller worked out: a job that is not a token stream
+        (an image render), with the prices in force now."""
+        return await asyncio.to_thread(self._append_counts, completion, status, counts, latency)
+
+    def record_when_done(self, completion: Completion,
+                         outcome: Awaitable[tuple[RecordStatus, TokenCounts, Latency]]) -> None:
+        """Record, in the background, a job whose handler stopped listening (its client went away): once
+        `outcome` gives its status, counts and times. `close` waits for it as for followed jobs."""
+        async def record() -> None:
+            try:
+                await self.record_counts(completion, *await outcome)
+            except LedgerError as exc:
+                log.error("the usage of a cancelled job was not recorded: %s", Safe(exc))
+
+        self._in_background(record())
 
     def track(self, job: Job, completion: Completion) -> MeteredJob:
         return MeteredJob(self, job, completion)

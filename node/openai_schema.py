@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from node.attachments import AttachmentLimits, MediaAttachment, collect_attachments
 from node.errors import invalid_request
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -101,6 +102,9 @@ STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
 class Message:
     role: str
     content: str
+    """The message's text (its text parts joined, where it has parts)."""
+    parts: tuple[str | MediaAttachment, ...] = ()
+    """Its text, image and audio parts in order, for a message that holds an attachment; empty otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,11 @@ class CommonParams:
     retain: bool = True
     """`prompt_cache_retention` (OpenAI's field): "in_memory", the default, keeps this request's state for
     the caller's reuse; "none", this node's value, keeps nothing of it after the reply."""
+    retention: str = "in_memory"
+    """`prompt_cache_retention` as sent (RETENTION_VALUES): "24h" keeps the state as "in_memory" does, with the
+    longer time to live the TTL work (issue 41) gives it."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (Anthropic's `top_k`); 0: no limit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +148,9 @@ class ChatBounds:
     message_tokens: int
     """The fewest tokens the model's chat template writes for each message after the first
     (`chat_template.message_tokens`)."""
+    attachments: AttachmentLimits | None = None
+    """What image and audio parts a request may hold (`node/attachments.py`); None: the model takes text parts
+    only."""
 
     def least_tokens(self, messages: int, content_bytes: int) -> int:
         """Tokens a conversation of `messages` messages holding `content_bytes` bytes of content renders to at
@@ -257,18 +269,18 @@ def _seed(body: dict[str, Any]) -> int | None:
     return value
 
 
-RETENTION_VALUES = ("in_memory", "none")
+RETENTION_VALUES = ("in_memory", "24h", "none")
 
 
-def _retain(body: dict[str, Any]) -> bool:
+def _retention(body: dict[str, Any]) -> str:
     value = body.get("prompt_cache_retention")
     if value is None:
-        return True
+        return "in_memory"
     if value not in RETENTION_VALUES:
         raise invalid_request("'prompt_cache_retention' must be \"in_memory\" (keep this request's state for "
-                              "your reuse, in memory only) or \"none\" (keep nothing after the reply)",
-                              param="prompt_cache_retention")
-    return bool(value == "in_memory")
+                              "your reuse, in memory only), \"24h\" (the same, kept up to 24 hours) or \"none\" "
+                              "(keep nothing after the reply)", param="prompt_cache_retention")
+    return str(value)
 
 
 def _common(body: Any, known: frozenset[str]) -> CommonParams:
@@ -325,23 +337,33 @@ def _common(body: Any, known: frozenset[str]) -> CommonParams:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body),
         return_token_ids=return_ids,
-        retain=_retain(body),
+        retain=_retention(body) != "none",
+        retention=_retention(body),
     )
 
 
-def _content(value: Any, index: int, role: str) -> str:
+def _content(value: Any, index: int, role: str, attachments: dict[tuple[int, int], MediaAttachment] | None
+             ) -> tuple[str, tuple[str | MediaAttachment, ...]]:
+    """The message's text, and its parts where it holds an attachment (`attachments`: the request's, by message and
+    part; None where the model takes text parts only)."""
     if isinstance(value, str):
-        return value
+        return value, ()
     if value is None and role == "assistant":
-        return ""
+        return "", ()
     if isinstance(value, list):
-        parts = []
-        for part in value:
+        parts: list[str | MediaAttachment] = []
+        for at, part in enumerate(value):
+            attachment = attachments.get((index, at)) if attachments is not None else None
+            if attachment is not None:
+                parts.append(attachment)
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid_request(f"messages[{index}].content: only text parts are supported by this model",
-                                      param=f"messages[{index}].content")
+                what = "text" if attachments is None else "text, image_url and input_audio"
+                raise invalid_request(f"messages[{index}].content[{at}]: only {what} parts are supported by this "
+                                      "model", param=f"messages[{index}].content[{at}]")
             parts.append(part["text"])
-        return "".join(parts)
+        text = "".join(part for part in parts if isinstance(part, str))
+        return text, tuple(parts) if any(not isinstance(part, str) for part in parts) else ()
     raise invalid_request(f"messages[{index}].content must be a string or a list of text parts",
                           param=f"messages[{index}].content")
 
@@ -360,6 +382,10 @@ def parse_chat(body: Any, bounds: ChatBounds) -> ChatRequest:
                               code="array_above_max_length")
     parsed = []
     content_bytes = 0
+    attachments: dict[tuple[int, int], MediaAttachment] | None = None
+    if bounds.attachments is not None:
+        attachments = {(placed.index.message, placed.index.part): placed.attachment
+                       for placed in collect_attachments(messages, bounds.attachments)}
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise invalid_request(f"messages[{index}].role must be one of {', '.join(ROLES)}",
@@ -367,9 +393,9 @@ def parse_chat(body: Any, bounds: ChatBounds) -> ChatRequest:
         if not message.keys() <= PLAIN_MESSAGE:  # checked only where there is more to check (a long chat's cost)
             _refuse_unknown(message, MESSAGE_FIELDS, f"messages[{index}]")
             _refuse_unsupported_fields(message, f"messages[{index}]")
-        content = _content(message.get("content"), index, message["role"])
+        content, parts = _content(message.get("content"), index, message["role"], attachments)
         content_bytes += len(content.encode("utf-8", "surrogatepass"))
-        parsed.append(Message(message["role"], content))
+        parsed.append(Message(message["role"], content, parts))
     bounds.check(len(parsed), content_bytes)
     return ChatRequest(params, tuple(parsed))
 

@@ -22,13 +22,18 @@ from typing import Any
 
 from attestation.nvml_cc import NvmlLoader, load_pynvml
 from cache.arena import Scope, StateArena
-from cache.prefix_cache import PrefixCache
+from cache.device_copy import HostCopies
+from cache.encodings import EncodingCounts
+from cache.prefix_cache import NOTHING_HELD, Holdings, Lookups, PrefixCache
+from cache.scope import SharedPrefix, group_scope
 from cache.snapshot_policy import SnapshotPolicy
 from cache.summary import ChatForms, completion_prefix_form
+from cache.ttl import AUTOMATIC, WritePlan
 from node.config import Limits
-from node.engine.chat_template import BOUNDARY_MESSAGES, ChatTemplateError, RenderedChat, render_chat
-from node.engine.device import DevicePlan, FreeMemory, plan_device, prefill_chunk
+from node.engine.chat_template import BOUNDARY_MESSAGES, ChatTemplateError, RenderedChat, image_marker, render_chat
+from node.engine.device import DevicePlan, FreeMemory, host_copy_mode, plan_device, prefill_chunk
 from node.engine.loader import LoadedModel
+from node.engine.media import MediaUnsupported, PromptMedia
 from node.engine.runner import NO_FORMS, GenerationRequest, ModelRunner, PrefixForms
 from node.engine.sampling import SamplingParams
 from node.engine.scheduler import Scheduler
@@ -38,10 +43,14 @@ from node.openai_schema import CommonParams, Message
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """A request's prompt as the engine takes it: ids and message boundaries, and its prefix forms."""
+    """A request's prompt as the engine takes it: ids and message boundaries, its prefix forms, and its
+    attachments."""
 
     rendered: RenderedChat
     forms: PrefixForms = NO_FORMS
+    media: PromptMedia | None = None
+    write: WritePlan = AUTOMATIC
+    """What its request stores and for how long (Anthropic's breakpoints, `anthropic_schema.write_plan`)."""
 
     @property
     def ids(self) -> list[int]:
@@ -62,6 +71,18 @@ def chat_forms(messages: list[dict[str, str]], rendered: RenderedChat) -> Prefix
 
 
 @dataclass(frozen=True, slots=True)
+class ScopeState:
+    """What the node keeps for one scope, as its own caller may see it (`GET /v1/cache`): counts and sizes only."""
+
+    held: Holdings
+    replies: int
+    """Replies remembered to recognise when the caller sends them back (`cache/replies.py`)."""
+    lookups: Lookups
+    encodings: EncodingCounts
+    """Attachment encodings held (`cache/encodings.py`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ModelService:
     loaded: LoadedModel
     runner: ModelRunner
@@ -77,14 +98,22 @@ class ModelService:
         `device_bytes` is `cache.device_bytes`; `free_memory`, `nvml` are fakes in tests) and given to the arena:
         its hot tier's budget and how sealing stages the state on the host."""
         chunk = prefill_chunk(loaded.device, limits.prefill_chunk)
+        copies = host_copy_mode(loaded.device, nvml)
+        if prefix_cache is not None:
+            # Before the runner: its load-time seal-cost probe stages state through the host as the node will.
+            assert isinstance(prefix_cache.arena, StateArena)
+            prefix_cache.arena.host_copies = HostCopies(pinned=copies[0] == "pinned")
         runner = ModelRunner(loaded, prefix_cache, prefill_chunk=chunk, policy=policy)
         runner.reuse.reserve_lanes(limits.max_running, limits.lane_bytes)
         arena = runner.reuse.arena  # None with reuse off: no stored state, so no hot tier
         plan = plan_device(loaded.device, device_bytes if arena is not None else 0,
-                           arena.plaintext_bytes if arena is not None else 0, free_memory, nvml)
+                           arena.plaintext_bytes if arena is not None else 0, free_memory, nvml, copies,
+                           prefix_cache.budget.node_bytes if prefix_cache is not None else None)
         if arena is not None:
             arena.plaintext_bytes = plan.hot_bytes
             arena.host_copies = plan.host_copies
+        if runner.reuse.encodings is not None:
+            runner.reuse.encodings.host_copies = plan.host_copies
         return cls(loaded, runner, Scheduler(runner, limits.max_queue, limits.max_running), plan)
 
     @property
@@ -109,6 +138,27 @@ class ModelService:
         """`GET /v1/node/state`'s engine section, for operators: with how decode steps ran and the queue now."""
         return {**self.runner.engine_state(), **self.scheduler.describe()}
 
+    def media_config(self) -> dict[str, Any]:
+        """`GET /v1/node`'s attachments section: whether the model takes images or audio (and why not), and how
+        their encodings are kept per caller; fixed at start."""
+        family, cache = self.loaded.media, self.runner.reuse.encodings
+        config: dict[str, Any] = {"images": family is not None and family.kind.name == "image",
+                                  "audio": family is not None and family.kind.name == "audio"}
+        if family is None and self.loaded.media_blocker is not None:
+            config["reason"] = self.loaded.media_blocker
+        if family is not None:
+            config["encoder"] = family.encoder
+            config["encoding_cache"] = None if cache is None else {
+                "sealed": cache.sealing, "max_bytes": cache.max_bytes, "scope_bytes": cache.scope_bytes,
+                "keyed_by": "HMAC-SHA256 of the attachment's SHA-256 and the encoder, under a per-scope key"}
+        return config
+
+    def media_state(self) -> dict[str, Any]:
+        """`GET /v1/node/state`'s attachments section, for operators: `media_config` and the encoding cache's
+        counts over every caller."""
+        cache = self.runner.reuse.encodings
+        return {**self.media_config(), **({"encodings": cache.describe()} if cache is not None else {})}
+
     def sealing_config(self) -> dict[str, Any]:
         return self.runner.reuse.sealing_config()
 
@@ -125,6 +175,30 @@ class ModelService:
         worker thread, which owns them, before its next step."""
         self.scheduler.chore(lambda: self.runner.drop_caller(caller))
 
+    def scope_state(self, scope: Scope) -> Future[ScopeState]:
+        """What is held for `scope`, read on the worker thread, which owns the prefix index."""
+        return self.scheduler.ask(lambda: self._scope_state(scope))
+
+    def shred(self, scope: Scope) -> Future[ScopeState]:
+        """Destroy `scope`'s state now, on the worker thread (`ReuseManager.drop`: its running requests keep their
+        working memory until they end, and store nothing); what was held."""
+        def run() -> ScopeState:
+            held = self._scope_state(scope)
+            if self.runner.reuse.drop(lambda other: other == scope):
+                self.runner.settle()
+            return held
+
+        return self.scheduler.ask(run)
+
+    def _scope_state(self, scope: Scope) -> ScopeState:
+        reuse = self.runner.reuse
+        encodings = reuse.encodings.counts(scope) if reuse.encodings is not None else EncodingCounts(0, 0, 0, 0)
+        if reuse.prefix_cache is None:
+            return ScopeState(NOTHING_HELD, 0, Lookups(), encodings)
+        lookups = reuse.prefix_cache.lookups.get(scope, Lookups())
+        return ScopeState(reuse.prefix_cache.holdings(scope), reuse.replies.replies(scope),
+                          Lookups(lookups.hits, lookups.misses), encodings)
+
     @property
     def vocab_size(self) -> int:
         return int(self.loaded.model.config.get_text_config(decoder=True).vocab_size)
@@ -138,20 +212,56 @@ class ModelService:
                                   f"this model is more than {per_token} bytes); this model's context length is "
                                   f"{self.loaded.context_length} tokens", param=param, code="context_length_exceeded")
 
-    def chat_prompt(self, messages: tuple[Message, ...], forms: bool = False, caller: str | None = None) -> Prompt:
+    def chat_prompt(self, messages: tuple[Message, ...], forms: bool = False, caller: str | None = None,
+                    split_at: int = 0, ends_of: tuple[int, ...] = ()) -> Prompt:
         """The rendered chat, and its prefix forms when `forms` (a router's caller). Its size was bounded when it was
         parsed (`openai_schema.parse_chat`'s `ChatBounds`, stricter than `check_text_fits`): not counted again.
-        `caller`: whose replies an assistant message may be (`cache/replies.py`): those are their generated ids."""
+        `caller`: whose replies an assistant message may be (`cache/replies.py`): those are their generated ids.
+        `split_at`: a count of messages whose end is wanted (`RenderedChat.split`: a trust group's prefix); `ends_of`
+        more (`RenderedChat.ends`: cache breakpoints)."""
         plain = [{"role": m.role, "content": m.content} for m in messages]
         replies = None
         if caller is not None:
             replies = functools.partial(self.runner.reuse.replies.recall, Scope(caller=caller, model=self.model_id))
+        images = [part for m in messages for part in m.parts if not isinstance(part, str)]  # and audio
+        family = self.loaded.media
+        refused = next((part.kind for part in images if family is None or part.kind != family.kind.name), None)
+        if refused is not None:
+            raise invalid_request(f"model {self.model_id!r} takes no {refused} attachments", param="messages")
         try:
-            rendered = render_chat(self.loaded.tokenizer, plain, fits=self.loaded.context_length - 1,
-                                   replies=replies)
+            if not images:
+                rendered = render_chat(self.loaded.tokenizer, plain, fits=self.loaded.context_length - 1,
+                                       replies=replies, split_at=split_at, ends_of=ends_of)
+                return Prompt(rendered, chat_forms(plain, rendered) if forms else NO_FORMS)
+            assert family is not None
+            # Each image stands in its message's text as a random marker while the template renders it; the
+            # marker's text is then replaced by the image's ids, which the model's processor expands.
+            markers = image_marker(plain, len(images))
+            pending = iter(markers)
+            marked = [{"role": m.role, "content": "".join(part if isinstance(part, str) else next(pending)
+                                                          for part in m.parts) if m.parts else m.content}
+                      for m in messages]
+            expanded = []
+            for number, image in enumerate(images, start=1):
+                try:
+                    expanded.append(family.expand(image.content))
+                except MediaUnsupported as exc:
+                    raise invalid_request(f"model {self.model_id!r}: attachment {number} of the request ({image.kind})"
+                                          f": {exc}", param="messages") from exc
+            media_ids = {marker: exp.ids for marker, exp in zip(markers, expanded, strict=True)}
+            rendered = render_chat(self.loaded.tokenizer, marked, fits=self.loaded.context_length - 1,
+                                   replies=replies, media=media_ids, split_at=split_at, ends_of=ends_of)
         except ChatTemplateError as exc:
             raise invalid_request(f"model {self.model_id!r}: {exc}", param="messages") from exc
-        return Prompt(rendered, chat_forms(plain, rendered) if forms else NO_FORMS)
+        media = family.prompt_media(rendered.ids, [(at, exp, image.digest) for at, exp, image in
+                                                   zip(rendered.placed, expanded, images, strict=True)])
+        if not forms:
+            return Prompt(rendered, NO_FORMS, media)
+        # A router's summary forms a message with images by its text and its images' digests (memory only).
+        formed = [{"role": m.role, "content": "".join(part if isinstance(part, str) else f"\x00{part.kind}:" +
+                                                      part.digest.hex() for part in m.parts) if m.parts else m.content}
+                  for m in messages]
+        return Prompt(rendered, chat_forms(formed, rendered), media)
 
     def text_prompt(self, prompt: str | tuple[int, ...], forms: bool = False) -> Prompt:
         """A text completion prompt: no message structure, so no boundaries; its form when `forms` (a router's
@@ -172,8 +282,12 @@ class ModelService:
         return Prompt(rendered, PrefixForms(((len(rendered.ids), completion_prefix_form(prompt)),)))
 
     def request(self, caller: str, prepared: Prompt, params: CommonParams, limits: Limits,
-                prompt_param: str, retain: bool = True) -> GenerationRequest:
-        """Check the prompt against the context length and build the engine request."""
+                prompt_param: str, retain: bool = True, group: str | None = None,
+                group_param: str = "") -> GenerationRequest:
+        """Check the prompt against the context length and build the engine request. `group`: the caller's trust
+        group, whose scope the prompt's prefix up to `prepared.rendered.split` is shared in (a membership the
+        caller was checked for); `group_param` names the field that asked for it, blamed when the chat cannot
+        be split there."""
         prompt = prepared.ids
         context = self.loaded.context_length
         if not prompt:
@@ -195,7 +309,20 @@ class ModelService:
                                   param="logit_bias")
         sampling = SamplingParams(max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
                                   seed=params.seed, stop=params.stop, presence_penalty=params.presence_penalty,
-                                  frequency_penalty=params.frequency_penalty, logit_bias=params.logit_bias)
+                                  frequency_penalty=params.frequency_penalty, logit_bias=params.logit_bias,
+                                  top_k=params.top_k)
+        boundaries, shared = prepared.rendered.boundaries, None
+        if group is not None:
+            split = prepared.rendered.split
+            if split is None or not 0 < split <= len(prompt):
+                raise invalid_request("the chat template cannot split this conversation where the group's prefix "
+                                      "ends (that message's end falls inside a token): put the group's "
+                                      "breakpoint on another message", param=group_param)
+            shared = SharedPrefix(group_scope(group, self.model_id), split)
+            boundaries = tuple(sorted({*boundaries, split}))  # a resume point for models that need snapshots
+        # OpenAI's `prompt_cache_retention: 24h` holds everything for a day; breakpoints are resume points.
+        write = WritePlan("24h") if params.retention == "24h" else prepared.write
+        boundaries = tuple(sorted({*boundaries, *(point.end for point in write.breakpoints)}))
         return GenerationRequest(scope=Scope(caller=caller, model=self.model_id), prompt=prompt, params=sampling,
-                                 boundaries=prepared.rendered.boundaries, retain=retain and params.retain,
-                                 forms=prepared.forms)
+                                 boundaries=boundaries, retain=retain and params.retain,
+                                 forms=prepared.forms, media=prepared.media, shared=shared, write=write)

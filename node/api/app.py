@@ -8,14 +8,15 @@ a large request is prepared.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from cache.summary import SummaryFilters
-from node.api import completions, identity, operations, records, rpc, summary
+from node.api import caller_cache, completions, identity, media_refusals, messages, operations, records, rpc, summary
 from node.api.keys import CONFIG, HYGIENE, IDENTITY, KEYRING, METER, METRICS, POLICY, PREPARE, SERVICE, SUMMARIES, TLS
 from node.api.middleware import auth_middleware, coding_middleware, error_middleware
 from node.api.prepare import FairPreparation
@@ -35,20 +36,25 @@ METER_CLOSE_TIMEOUT_S = 30.0
 KEY_REFRESH_S = 0.5
 """How often the config is re-read: a removed key's state is destroyed within this much (plus the job running)."""
 
-ROUTE_TABLES = (completions.routes, records.routes, identity.routes, operations.routes, rpc.routes, summary.routes)
+ROUTE_TABLES = (completions.routes, messages.routes, caller_cache.routes, records.routes, identity.routes,
+                operations.routes, rpc.routes, summary.routes, media_refusals.text_node_routes)
 
 
 def create_app(config: NodeConfig, config_path: Path, service: ModelService, metering: MeteringPaths,
                node_identity: NodeIdentity, policy: NodePolicy, hygiene: dict[str, Any] | None = None,
                tls: NodeCertificate | None = None) -> web.Application:
     """`tls`: the certificate the node serves HTTPS with (`node.tls`); None when it serves plain HTTP."""
-    # Errors outermost: an authentication failure leaves as JSON too. A compressed body is refused before any key
-    # is checked.
-    app = web.Application(client_max_size=config.limits.max_body_bytes,
-                          middlewares=[error_middleware, coding_middleware, auth_middleware])
-    app[CONFIG] = config
     scheduler = service.scheduler
-    app[SUMMARIES] = SummaryFilters()
+    arena = service.arena
+    metrics = NodeMetrics(
+        cached_bytes=lambda: float(arena.bytes_total) if arena is not None else 0.0,
+        queue_waiting=lambda: float(scheduler.waiting),
+        snapshot_bytes=lambda: float(arena.snapshot_bytes) if arena is not None else 0.0,
+        forward_backend=(service.model_id, service.loaded.forward.backend, service.loaded.forward.reason),
+        plaintext_bytes=lambda: float(arena.hot_bytes) if arena is not None else 0.0,
+        sealed_open_failures=lambda: float(arena.open_failures) if arena is not None else 0.0)
+    if service.loaded.experts is not None:
+        metrics.registry.register(service.loaded.experts.collector())
 
     def removed(name: str) -> None:
         # A caller removed from the config loses its state and keys on the worker thread, which owns them; a
@@ -56,21 +62,40 @@ def create_app(config: NodeConfig, config_path: Path, service: ModelService, met
         service.drop_caller(name)
         app[SUMMARIES].forget(name)
 
-    app[KEYRING] = KeyRing(config_path, on_removed=removed)
+    app = node_app(config, config_path, metering, node_identity, policy, hygiene, tls,
+                   NodeEngine(metrics, removed, scheduler.start, scheduler.stop), ROUTE_TABLES)
+    app[SUMMARIES] = SummaryFilters()
     scheduler.ttl_of = app[KEYRING].ttl_of
     app[SERVICE] = service
+    return app
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEngine:
+    """What the application needs of the engine it serves, a text model's scheduler or an image model's worker."""
+
+    metrics: NodeMetrics
+    removed: Callable[[str], None]
+    """A caller removed from the config: its state and keys go."""
+    start: Callable[[], None]
+    stop: Callable[[], None]
+
+
+def node_app(config: NodeConfig, config_path: Path, metering: MeteringPaths, node_identity: NodeIdentity,
+             policy: NodePolicy, hygiene: dict[str, Any] | None, tls: NodeCertificate | None, engine: NodeEngine,
+             tables: Iterable[web.RouteTableDef]) -> web.Application:
+    """The parts every node has whatever it serves: the middleware, keys, identity, metering and `tables`."""
+    # Errors outermost: an authentication failure leaves as JSON too. A compressed body is refused before any key
+    # is checked.
+    app = web.Application(client_max_size=config.limits.max_body_bytes,
+                          middlewares=[error_middleware, coding_middleware, auth_middleware])
+    app[CONFIG] = config
+    app[KEYRING] = KeyRing(config_path, on_removed=engine.removed)
     app[HYGIENE] = hygiene or {}
     app[IDENTITY] = node_identity
     app[POLICY] = policy
     app[TLS] = tls_json(tls)
-    arena = service.arena
-    app[METRICS] = NodeMetrics(
-        cached_bytes=lambda: float(arena.bytes_total) if arena is not None else 0.0,
-        queue_waiting=lambda: float(scheduler.waiting),
-        snapshot_bytes=lambda: float(arena.snapshot_bytes) if arena is not None else 0.0,
-        forward_backend=(service.model_id, service.loaded.forward.backend, service.loaded.forward.reason),
-        plaintext_bytes=lambda: float(arena.hot_bytes) if arena is not None else 0.0,
-        sealed_open_failures=lambda: float(arena.open_failures) if arena is not None else 0.0)
+    app[METRICS] = engine.metrics
 
     async def watch_keys(app: web.Application) -> None:
         while True:
@@ -79,11 +104,11 @@ def create_app(config: NodeConfig, config_path: Path, service: ModelService, met
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         app[PREPARE] = FairPreparation(PREPARE_THREADS)
-        scheduler.start()
+        engine.start()
         watcher = asyncio.create_task(watch_keys(app))
         yield
         watcher.cancel()
-        scheduler.stop()
+        engine.stop()
         app[PREPARE].shutdown()
 
     async def meter_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -100,6 +125,6 @@ def create_app(config: NodeConfig, config_path: Path, service: ModelService, met
     # it still has to record can end.
     app.cleanup_ctx.append(engine_ctx)
     app.cleanup_ctx.append(meter_ctx)
-    for table in ROUTE_TABLES:
+    for table in tables:
         app.router.add_routes(table)
     return app

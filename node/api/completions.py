@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -20,6 +20,8 @@ from metering.ledger import LedgerError
 from metering.record import UsageRecord
 from node.api.body import off_loop, read_body
 from node.api.keys import CALLER, CONFIG, IDENTITY, METER, METRICS, POLICY, SERVICE
+from node.api.trust_groups import GroupAsk, openai_ask, refuse_text_ask
+from node.attachments import AttachmentLimits
 from node.auth import ROUTER, require_role
 from node.config import Caller
 from node.engine.scheduler import Event, Failed, Finished, Job, QueueFullError, TextDelta
@@ -80,11 +82,49 @@ def _usage(record: UsageRecord, result: GenerationResult) -> dict[str, Any]:
         "server_ttft_ms": round(result.ttft_s * 1000.0, 3),
         # Whether this request's state was kept for the caller's reuse; "none": nothing stored, no cached writes.
         "prompt_cache_retention": "in_memory" if result.retained else "none",
+        # The prompt's images: how many ran the model's encoder for this request, and how many did not (their
+        # positions restored with the prefix, or their encoding found in the caller's encoding cache).
+        **({"attachments": {"encoded": result.attachments_encoded, "reused": result.attachments_reused,
+                            "encode_ms": round(result.encode_s * 1000.0, 3)}}
+           if result.attachments_encoded or result.attachments_reused else {}),
     }
 
 
 def _finish_reason(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
+
+
+class Dialect(Protocol):
+    """What one API's response format writes for one completion, whole or streamed as server-sent events:
+    `Shape` (OpenAI's chat and text completions) and `node.api.messages.MessageShape` (Anthropic's Messages).
+    `_respond` runs every completion the same way and asks the dialect only what to write."""
+
+    id: str
+    """The completion id the client sees, under which the completion is metered."""
+    prompt_param: str
+    """The request field a prompt too long for the context is blamed on."""
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Events a stream starts with, before the job is queued."""
+        ...
+
+    def complete(self, record: UsageRecord, result: GenerationResult, params: CommonParams,
+                 prompt_ids: list[int]) -> dict[str, Any]: ...
+
+    def delta(self, text: str) -> dict[str, Any]: ...
+
+    def closing(self, record: UsageRecord, result: GenerationResult, params: CommonParams,
+                prompt_ids: list[int]) -> list[dict[str, Any] | str]:
+        """Events a stream ends with once its job finished."""
+        ...
+
+    def failed(self, error: NodeError) -> list[dict[str, Any] | str]:
+        """Events a stream ends with when its job failed after the 200 went out."""
+        ...
+
+    def frame(self, payload: dict[str, Any] | str) -> bytes:
+        """One server-sent event."""
+        ...
 
 
 class Shape:
@@ -95,11 +135,13 @@ class Shape:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
+        self.prompt_param = "messages" if chat else "prompt"
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def complete(self, record: UsageRecord, result: GenerationResult) -> dict[str, Any]:
+    def complete(self, record: UsageRecord, result: GenerationResult, params: CommonParams,
+                 prompt_ids: list[int]) -> dict[str, Any]:
         reason = _finish_reason(result)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": reason}
@@ -107,6 +149,9 @@ class Shape:
             choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason}
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         body["usage"] = _usage(record, result)
+        if params.return_token_ids:
+            body["prompt_token_ids"] = prompt_ids
+            choice["token_ids"] = result.output_ids
         return body
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
@@ -123,6 +168,32 @@ class Shape:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
         body["usage"] = _usage(record, result)
         return body
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self.chunk(None, first=True)] if self.chat else []
+
+    def delta(self, text: str) -> dict[str, Any]:
+        return self.chunk(text)
+
+    def closing(self, record: UsageRecord, result: GenerationResult, params: CommonParams,
+                prompt_ids: list[int]) -> list[dict[str, Any] | str]:
+        """The chunk with the finish reason (with `return_token_ids`, also the prompt's and the reply's token ids,
+        whole), the usage chunk when asked for, and `[DONE]`."""
+        last = self.chunk(None if self.chat else "", _finish_reason(result))
+        if params.return_token_ids:
+            last["prompt_token_ids"] = prompt_ids
+            last["choices"][0]["token_ids"] = result.output_ids
+        events: list[dict[str, Any] | str] = [last]
+        if params.include_usage:
+            events.append(self.usage_chunk(record, result))
+        return [*events, "[DONE]"]
+
+    def failed(self, error: NodeError) -> list[dict[str, Any] | str]:
+        return [error.body(), "[DONE]"]
+
+    def frame(self, payload: dict[str, Any] | str) -> bytes:
+        data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+        return f"data: {data}\n\n".encode()
 
 
 def _submit(request: web.Request, service: ModelService, caller: Caller, generation: GenerationRequest,
@@ -171,13 +242,15 @@ def check_requirements(request: web.Request, caller: Caller) -> None:
 
 
 async def _respond(request: web.Request, service: ModelService, caller: Caller, prompt: Prompt,
-                   params: CommonParams, shape: Shape) -> web.StreamResponse:
+                   params: CommonParams, shape: Dialect, ask: GroupAsk | None = None) -> web.StreamResponse:
+    """`ask`: the request's prefix is shared in its caller's trust group's scope (`trust_groups.py`)."""
     generation = service.request(caller.name, prompt, params, request.app[CONFIG].limits,
-                                 prompt_param="messages" if shape.chat else "prompt",
-                                 retain=caller.retention == "keep")
+                                 prompt_param=shape.prompt_param, retain=caller.retention == "keep",
+                                 group=ask.group if ask is not None else None,
+                                 group_param=ask.param if ask is not None else "")
     response = None
     if params.stream:
-        # Headers (and a chat stream's role chunk) go out before the job is queued: once it is, the event loop
+        # Headers (and a stream's opening events) go out before the job is queued: once it is, the event loop
         # has nothing to do but wait, and the worker thread it would hold off by the GIL starts at once. The
         # job's place in the queue is held first, so a stream that got its 200 never meets a full queue.
         try:
@@ -188,8 +261,8 @@ async def _respond(request: web.Request, service: ModelService, caller: Caller, 
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                    "Cache-Control": "no-cache"})
             await response.prepare(request)
-            if shape.chat:
-                await _send(response, shape.chunk(None, first=True))
+            for payload in shape.opening():
+                await response.write(shape.frame(payload))
         except BaseException:  # the client went away before the job was queued: it computed nothing
             service.scheduler.release()
             request.app[METER].record_unstarted(Completion(shape.id, caller.name, service.model_id))
@@ -204,50 +277,35 @@ async def _respond(request: web.Request, service: ModelService, caller: Caller, 
             if isinstance(event, Finished):
                 _observe(request, event.result)
                 assert job.record is not None  # recorded before the outcome is handed out
-                body = shape.complete(job.record, event.result)
-                if params.return_token_ids:
-                    body["prompt_token_ids"] = prompt.ids
-                    body["choices"][0]["token_ids"] = event.result.output_ids
-                return web.json_response(body)
+                return web.json_response(shape.complete(job.record, event.result, params, prompt.ids))
             if isinstance(event, Failed):
                 raise _failure(event)
     finally:
         job.close()  # a no-op once finished; stops decoding when the client went away
 
 
-async def _send(response: web.StreamResponse, payload: dict[str, Any] | str) -> None:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    await response.write(f"data: {data}\n\n".encode())
-
-
 async def _stream(request: web.Request, response: web.StreamResponse, job: MeteredJob, params: CommonParams,
-                  shape: Shape, prompt_ids: list[int]) -> web.StreamResponse:
-    """The job's events as server-sent events on the prepared `response`. With `return_token_ids` the chunk that
-    carries the finish reason also carries the prompt's and the reply's token ids, whole."""
+                  shape: Dialect, prompt_ids: list[int]) -> web.StreamResponse:
+    """The job's events as server-sent events on the prepared `response`, written as `shape` writes them."""
     while True:
         try:
             event = await _next_event(job)
         except NodeError as unrecorded:
-            await _send(response, unrecorded.body())
+            ending = shape.failed(unrecorded)
             break
         if isinstance(event, TextDelta):
-            await _send(response, shape.chunk(event.text))
+            await response.write(shape.frame(shape.delta(event.text)))
             job.job.first_written.set()
         elif isinstance(event, Finished):
             _observe(request, event.result)
-            last = shape.chunk(None if shape.chat else "", _finish_reason(event.result))
-            if params.return_token_ids:
-                last["prompt_token_ids"] = prompt_ids
-                last["choices"][0]["token_ids"] = event.result.output_ids
-            await _send(response, last)
-            if params.include_usage:
-                assert job.record is not None
-                await _send(response, shape.usage_chunk(job.record, event.result))
+            assert job.record is not None
+            ending = shape.closing(job.record, event.result, params, prompt_ids)
             break
         else:
-            await _send(response, _failure(event).body())
+            ending = shape.failed(_failure(event))
             break
-    await _send(response, "[DONE]")
+    for payload in ending:
+        await response.write(shape.frame(payload))
     await response.write_eof()
     return response
 
@@ -258,19 +316,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_requirements(request, caller)
     loaded = request.app[SERVICE].loaded
     bounds = ChatBounds(request.app[CONFIG].limits.max_messages, loaded.context_length, loaded.max_token_bytes,
-                        loaded.message_tokens)
-    chat = await read_body(request, lambda body: parse_chat(body, bounds))
+                        loaded.message_tokens, AttachmentLimits() if loaded.media is not None else None)
+    chat, cache_key = await read_body(request, lambda body: (parse_chat(body, bounds), _has_cache_key(body)))
     service = _service(request, chat.params.model)
+    ask = openai_ask(request, caller, chat.messages, cache_key)
     # A caller whose state is kept has its replies recognised when it sends them back (`cache/replies.py`).
     prompt = await off_loop(request, service.chat_prompt, chat.messages, caller.router is not None,
-                            caller.name if caller.retention == "keep" else None)
-    return await _respond(request, service, caller, prompt, chat.params, Shape(True, service.model_id))
+                            caller.name if caller.retention == "keep" else None, ask.messages if ask else 0)
+    return await _respond(request, service, caller, prompt, chat.params, Shape(True, service.model_id), ask)
+
+
+def _has_cache_key(body: Any) -> bool:
+    """The body (a parsed chat's) sent a non-empty `prompt_cache_key`."""
+    return bool(body.get("prompt_cache_key"))
 
 
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     caller = require_role(request[CALLER], "POST /v1/completions", *RUNS_COMPLETIONS)
     check_requirements(request, caller)
+    refuse_text_ask(request)
     completion = await read_body(request, parse_completion)
     service = _service(request, completion.params.model)
     # Text is tokenized off the loop; token ids are checked on it (bounded by the context, no thread hop on

@@ -30,13 +30,26 @@ async def node_identity(request: web.Request) -> web.Response:
     model runs on (and why), where its stored state lives and which host copies it uses (and why), how its
     engine and sealing are set up,
     the process's hygiene and the TLS certificate it serves with; no key needed, and the same for every key."""
-    meter, identity, service = request.app[METER], request.app[IDENTITY], request.app[SERVICE]
-    served = identity.served
-    prices = meter.pricing.current()
+    service = request.app[SERVICE]
     forward = service.loaded.forward
     return web.json_response({
-        "object": "node",
+        **node_fields(request),
         "model": service.model_id,
+        "forward": {"backend": forward.backend, "reason": forward.reason},
+        "device": service.device.describe(),
+        "engine": service.engine_config(),
+        "sealing": service.sealing_config(),
+        "attachments": service.media_config(),
+    })
+
+
+def node_fields(request: web.Request) -> dict[str, Any]:
+    """`GET /v1/node`'s sections that every node has, whatever model it serves."""
+    meter, identity = request.app[METER], request.app[IDENTITY]
+    served = identity.served
+    prices = meter.pricing.current()
+    return {
+        "object": "node",
         "boot_id": meter.boot_id,
         "key_id": meter.signer.key_id,
         "public_key": meter.signer.public_key_hex,
@@ -48,13 +61,9 @@ async def node_identity(request: web.Request) -> web.Response:
         "ledger_segment": meter.ledger.path.name,
         "prices": {name: wei_to_json(value) for name, value in prices.to_mapping().items()},
         "pricing_error": meter.pricing.reload_error,
-        "forward": {"backend": forward.backend, "reason": forward.reason},
-        "device": service.device.describe(),
-        "engine": service.engine_config(),
-        "sealing": service.sealing_config(),
         "hygiene": request.app[HYGIENE],
         "tls": request.app[TLS],
-    })
+    }
 
 
 @routes.get("/v1/node/state")
@@ -68,6 +77,7 @@ async def node_state(request: web.Request) -> web.Response:
         "boot_id": request.app[METER].boot_id,
         "engine": service.engine_state(),
         "sealing": service.sealing_state(),
+        "attachments": service.media_state(),
     })
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,13 @@ class RenderedChat:
     ids: list[int]
     boundaries: tuple[int, ...]
     """Token positions in `(0, len(ids)]` where a message (or the generation prompt) starts."""
+    placed: tuple[int, ...] = ()
+    """Where each attachment's ids start (`render_chat`'s `media`, in its order)."""
+    split: int | None = None
+    """Where the first `render_chat`'s `split_at` messages end (a token position); None when not asked, or when
+    that end falls inside a token (no place to resume) or the template is not stable under that prefix."""
+    ends: tuple[int | None, ...] = ()
+    """Where the first `n` messages end for each `n` of `render_chat`'s `ends_of`, in its order; None as `split`."""
 
 
 def max_token_bytes(tokenizer: Any) -> int:
@@ -153,8 +160,32 @@ def _longest_piece(text: str, start: int, content: str, after: str, last: bool) 
     return None
 
 
+def _split_at(pieces: list[tuple[int, int, bool, list[int] | None]], text: str, media: Mapping[str, list[int]]
+              ) -> list[tuple[int, int, bool, list[int] | None]]:
+    """`pieces` with each attachment's marker (a key of `media`, once in `text`) a piece of its own standing for
+    its ids."""
+    found = sorted((text.find(marker), marker) for marker in media)
+    if any(at < 0 or text.count(marker) != 1 for at, marker in found):
+        raise ChatTemplateError("the chat template does not write each image of the messages exactly once")
+    out: list[tuple[int, int, bool, list[int] | None]] = []
+    for start, end, as_text, generated in pieces:
+        cursor = start
+        for at, marker in found:
+            if start <= at < end:
+                if generated is not None or at + len(marker) > end:
+                    raise ChatTemplateError("the chat template writes an image inside another piece of text")
+                if at > cursor:
+                    out.append((cursor, at, as_text, None))
+                out.append((at, at + len(marker), False, media[marker]))
+                cursor = at + len(marker)
+        if cursor < end or (cursor == start == end):
+            out.append((cursor, end, as_text, generated))
+    return out
+
+
 def _tokenize(tokenizer: Any, text: str, messages: list[dict[str, str]],
-              replies: Callable[[str], list[int] | None] | None) -> tuple[list[int], list[int]]:
+              replies: Callable[[str], list[int] | None] | None, media: Mapping[str, list[int]] | None = None
+              ) -> tuple[list[int], list[int]]:
     """Token ids of `text` and each token's start offset (-1 inside a recalled reply but at its first); special-token
     strings inside message contents are tokenized as text, and an assistant message whose content `replies`
     recognises as a reply this node generated is its generated ids. Conversations with neither keep the one-pass
@@ -190,6 +221,8 @@ def _tokenize(tokenizer: Any, text: str, messages: list[dict[str, str]],
         cursor = end
     if cursor < len(text) or not pieces:
         pieces.append((cursor, len(text), False, None))
+    if media:
+        pieces = _split_at(pieces, text, media)
     ids: list[int] = []
     starts: list[int] = []
     for start, end, as_text, generated in pieces:
@@ -205,32 +238,58 @@ def _tokenize(tokenizer: Any, text: str, messages: list[dict[str, str]],
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], fits: int | None = None,
-                replies: Callable[[str], list[int] | None] | None = None) -> RenderedChat:
+                replies: Callable[[str], list[int] | None] | None = None,
+                media: Mapping[str, list[int]] | None = None, split_at: int = 0, ends_of: tuple[int, ...] = ()
+                ) -> RenderedChat:
     """The conversation's ids and message boundaries; where it renders to more than `fits` tokens (it cannot
     run), no boundaries are computed: the caller refuses it. `replies`: the generated ids of an assistant
-    message's content when it is a reply this node generated for the caller (`cache/replies.py`), else None."""
+    message's content when it is a reply this node generated for the caller (`cache/replies.py`), else None.
+    `media`: each attachment's ids by the marker standing for it in a message's content (`image_marker`): the
+    marker's text is replaced by them, and `placed` says where each starts. `split_at`: a count of messages
+    whose end is wanted (`RenderedChat.split`), however far from the conversation's end; `ends_of` more such
+    counts (`RenderedChat.ends`: Anthropic's cache breakpoints)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("this model has no chat template; use /v1/completions")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - templates raise whatever jinja raises
         raise ChatTemplateError(f"the chat template rejected these messages: {type(exc).__name__}") from exc
-    ids, offsets = _tokenize(tokenizer, text, messages, replies)
+    ids, offsets = _tokenize(tokenizer, text, messages, replies, media)
+    starts = {offset: index for index, offset in enumerate(offsets)}
+    placed = tuple(starts[text.index(marker)] for marker in media) if media else ()
     if fits is not None and len(ids) > fits:
-        return RenderedChat(ids, ())
+        return RenderedChat(ids, (), placed)
     first = max(1, len(messages) - BOUNDARY_MESSAGES + 1)
+    counts = sorted({count for count in (split_at, *ends_of) if 0 < count < first}) + list(range(first,
+                                                                                               len(messages) + 1))
     try:
         prefixes = [tokenizer.apply_chat_template(messages[:count], add_generation_prompt=False, tokenize=False)
-                    for count in range(first, len(messages) + 1)]
+                    for count in counts]
     except Exception as exc:  # noqa: BLE001 - templates raise whatever jinja raises
         raise ChatTemplateError(f"the chat template rejected these messages: {type(exc).__name__}") from exc
-    starts = {offset: index for index, offset in enumerate(offsets)}
     boundaries = set()
-    for prefix in prefixes:
+    ends: dict[int, int | None] = {}
+    for count, prefix in zip(counts, prefixes, strict=True):
+        position = None
         if text.startswith(prefix):
             offset = len(prefix)
             if offset == len(text):
-                boundaries.add(len(ids))
+                position = len(ids)
             elif offset in starts and starts[offset] > 0:
-                boundaries.add(starts[offset])
-    return RenderedChat(ids, tuple(sorted(boundaries)))
+                position = starts[offset]
+        if position is not None and count >= first:
+            boundaries.add(position)
+        ends[count] = position
+    return RenderedChat(ids, tuple(sorted(boundaries)), placed, ends.get(split_at),
+                        tuple(ends.get(count) for count in ends_of))
+
+
+def image_marker(messages: list[dict[str, str]], count: int) -> list[str]:
+    """`count` random markers found in no message, to stand for attachments in message contents while the
+    template renders them (`render_chat`'s `media`)."""
+    markers: list[str] = []
+    while len(markers) < count:
+        marker = _marker(messages, "") + "i"
+        if marker not in markers:
+            markers.append(marker)
+    return markers

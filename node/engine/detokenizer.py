@@ -13,6 +13,8 @@ class Detokenizer:
         self._emitted = 0
         self.text = ""
         self.stopped = False
+        self.matched: str | None = None
+        """The stop string that ended the text (the earliest in it), once `stopped`."""
 
     def push(self, token_id: int) -> str:
         """Add one generated id; returns the text that is now safe to send (may be empty)."""
@@ -24,7 +26,7 @@ class Detokenizer:
             index = text.find(stop, max(0, self._emitted - len(stop) + 1))
             if index != -1:
                 text = text[:index]
-                self.stopped = True
+                self.stopped, self.matched = True, stop
         self.text = text
         safe = len(text) if self.stopped else len(text) - self._held_back(text)
         delta = text[self._emitted:safe] if safe > self._emitted else ""

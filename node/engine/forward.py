@@ -43,6 +43,7 @@ from node.engine.cpu_decoder import CpuDecoder, unsupported_reason
 from node.engine.cpu_kernels import CpuKernels, KernelsFound, load_kernels
 from node.engine.cpu_layout import transpose_linear_weights
 from node.engine.last_row import LastRow
+from node.engine.media import MediaFamily, SequenceMedia
 from node.engine.prediction import Logits, Prediction
 from node.log_privacy import Safe
 
@@ -72,6 +73,8 @@ class Forward:
     """The kernels the batched step attends each row's own history with; None: the model's attention (SDPA)."""
     batching: str | None = None
     """Why decode steps of several sequences cannot run as one forward on this model (None: they can)."""
+    media: MediaFamily | None = None
+    """The model's image processor and tower (`media.py`), for a vision-language model that takes images."""
 
     def batches(self, caches: Sequence[DynamicCache]) -> bool:
         """Whether one step of the sequences holding `caches` runs as one batched forward."""
@@ -86,9 +89,14 @@ class Forward:
         """A batched decode step for one runner (its scratch and counters are the runner's own)."""
         return BatchedDecode(self.model, self.decode_kernels)
 
-    def prefill(self, ids: list[int], start: int, cache: DynamicCache) -> Prediction:
+    def prefill(self, ids: list[int], start: int, cache: DynamicCache, media: SequenceMedia | None = None
+                ) -> Prediction:
         """Run `ids` at positions `[start, start + len)` into `cache`; returns the last position's prediction
-        (logits `[vocab]` in float32 on demand)."""
+        (logits `[vocab]` in float32 on demand). `media`: the request's attachments, whose encodings the chunk's
+        placeholders read, and its positions where they are not the indices (`SequenceMedia.inputs`)."""
+        if media is not None:
+            out = self.model(**media.inputs(self.model, ids, start), cache=cache, use_cache=True, logits_to_keep=1)
+            return Logits(out.logits[0, -1].float())
         if self.decoder is not None and self.decoder.takes(len(ids), cache):
             return self.decoder.forward(ids, start, cache)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -97,6 +105,11 @@ class Forward:
             out = self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True,
                              logits_to_keep=1)
         return Logits(out.logits[0, -1].float())
+
+    def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One attachment's encoding (`MediaFamily.encode`): what its placeholders' prefill reads."""
+        assert self.media is not None, "only a vision-language model takes attachments"
+        return self.media.encode(inputs)
 
     def extend(self, ids: list[int], start: int, cache: DynamicCache) -> None:
         """Run `ids` into `cache` when no logits are wanted (the reply's last token, fed for its state)."""
@@ -147,9 +160,12 @@ class Forward:
             self.decoder.wipe_scratch()
 
 
-def choose_forward(model: Any, device: torch.device, dtype: torch.dtype, model_id: str) -> Forward:
+def choose_forward(model: Any, device: torch.device, dtype: torch.dtype, model_id: str,
+                   media: MediaFamily | None = None) -> Forward:
     """The backend for a loaded model, logged once with its reason; the library backend's parts are installed
-    in `model` first (the native backend builds on them)."""
+    in `model` first (the native backend builds on them). `media`: a vision-language model's image processor and
+    tower; its prompt chunks that hold attachments, or whose positions are not their indices, run the library's
+    forward on input embeddings (`media.py`)."""
     mamba1.install(model)  # multi-token continuation of Mamba-1 scans from the cached state
     mamba2.install(model)  # short continuations of Mamba-2 mixers skip the padded chunk scan
     if device.type == "cpu":
@@ -164,7 +180,7 @@ def choose_forward(model: Any, device: torch.device, dtype: torch.dtype, model_i
     decoder, reason = _cpu_decoder(model, found) if device.type == "cpu" else (
         None, f"the model runs on {device.type}")
     forward = Forward("native-cpu" if decoder is not None else "library", reason, model, device, last_row=last_row,
-                      decoder=decoder, decode_kernels=decode_kernels, batching=batch_blocker(model))
+                      decoder=decoder, decode_kernels=decode_kernels, batching=batch_blocker(model), media=media)
     log.info("model %s: %s forward (%s); decode attention %s", Safe(model_id), Safe(forward.backend), Safe(reason),
              Safe(forward.decode_attention))
     return forward

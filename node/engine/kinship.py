@@ -34,12 +34,12 @@ extra attention call and merge cost."""
 def best_donor(request: GenerationRequest, live: Iterable[Sequence]) -> tuple[Sequence, int] | None:
     """The running request of `request`'s scope whose prompt agrees with `request`'s the longest (at least
     FOLLOW_MIN tokens, at most all but the last), with how far; only requests that keep their state give."""
-    prompt, best = tuple(request.prompt), None
+    prompt, best = tuple(request.keys), None
     reach = FOLLOW_MIN
     for other in live:
         if other.request.scope != request.scope or not other.request.retain:
             continue
-        common = min(common_prefix_length(tuple(other.request.prompt), prompt), len(prompt) - 1)
+        common = min(common_prefix_length(tuple(other.request.keys), prompt), len(prompt) - 1)
         if common >= reach:
             best, reach = other, common + 1
     return None if best is None else (best, reach - 1)
@@ -128,11 +128,11 @@ class Kinship:
         """Put a sequence that starts decoding into the group of its scope whose first rows it holds too (at
         least SHARED_ROWS_MIN, compared value for value with the group's holder), else into a new group. Only
         sequences of one scope are ever compared."""
-        scope, prompt = seq.request.scope, tuple(seq.request.prompt)
+        scope, prompt = seq.request.scope, tuple(seq.request.keys)
         for kin in dict.fromkeys(kin for kin in self._of.values() if kin.scope == scope):
             holder = live[kin.holder()]
             assert holder.request.scope == scope
-            limit = min(common_prefix_length(tuple(holder.request.prompt), prompt), kin.rows[holder.lane],
+            limit = min(common_prefix_length(tuple(holder.request.keys), prompt), kin.rows[holder.lane],
                         seq.position)
             if limit < SHARED_ROWS_MIN:
                 continue

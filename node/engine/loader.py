@@ -8,12 +8,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSeq2SeqLM,
+    AutoProcessor,
+    AutoTokenizer,
+)
 
 from cache.adapters import ModelStateAdapter
 from cache.state_spec import UnsupportedLayerKindError, model_state_specs
+from node.engine import qwen2_vl_processor  # noqa: F401 - registers Qwen2-VL's image-only processor
 from node.engine.chat_template import max_token_bytes, message_tokens
+from node.engine.experts import ExpertsError, ExpertSplit, ExpertsTopology
 from node.engine.forward import Forward, choose_forward
+from node.engine.media import AUDIO, IMAGE, MediaFamily, MediaUnsupported, media_kind
 from node.engine.reuse_check import check_reuse
 from node.engine.synthetic import ARCHITECTURES, ensure_default_model
 from node.log_privacy import Safe
@@ -21,6 +31,10 @@ from node.log_privacy import Safe
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
+
+AUTO_CLASSES = {IMAGE.name: AutoModelForImageTextToText, AUDIO.name: AutoModelForSeq2SeqLM}
+"""The transformers class that loads a model taking each kind of attachment. Audio's is the one transformers files
+its speech-and-text-in, text-out models under, decoder-only ones (Audio Flamingo 3, Qwen2-Audio) included."""
 
 
 class ModelLoadError(Exception):
@@ -47,6 +61,12 @@ class LoadedModel:
     reuse_blocker: str | None
     forward: Forward
     """The one forward the engine runs this model through, and why (`forward.py`)."""
+    media: MediaFamily | None = None
+    """How the model takes image or audio attachments (`media.py`); None for a text model, or where they cannot be taken
+    (`media_blocker` says why)."""
+    media_blocker: str | None = None
+    experts: ExpertSplit | None = None
+    """Where the routed experts run on expert holders (`experts.py`); None when they run here."""
 
 
 def resolve_model_dir(spec: str, home: Path) -> tuple[str, Path]:
@@ -88,18 +108,33 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_model(model_id: str, path: Path, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+def load_model(model_id: str, path: Path, device: str | None = None, dtype: str | None = None,
+               experts: ExpertsTopology | None = None) -> LoadedModel:
     _check_model_dir(path)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if target.type == "cuda" else torch.float32)
+    media: MediaFamily | None = None
+    media_blocker: str | None = None
     try:
         config = AutoConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        kind = media_kind(config)
+        auto = AUTO_CLASSES[kind.name] if kind is not None else AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=torch_dtype)
         model = model.to(device=target).eval()  # type: ignore[call-arg]
+        if kind is not None:
+            try:
+                media = MediaFamily(model, AutoProcessor.from_pretrained(path), tokenizer, kind)
+            except (MediaUnsupported, OSError, ValueError) as exc:
+                media_blocker = str(exc)
+                log.warning("model %s takes no %s: %s", Safe(model_id), Safe(kind.name), Safe(media_blocker))
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load the model in {path}: {exc}") from exc
-    forward = choose_forward(model, target, torch_dtype, model_id)
+    try:
+        split = None if experts is None else ExpertSplit.start(model, torch_dtype, experts)
+    except ExpertsError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    forward = choose_forward(model, target, torch_dtype, model_id, media)
     text_config = config.get_text_config(decoder=True)
     context = int(getattr(text_config, "max_position_embeddings", 0) or tokenizer.model_max_length)
     state: ModelStateAdapter | None = None
@@ -119,4 +154,5 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
                        device=target, dtype=torch_dtype, eos_token_ids=_eos_ids(model, tokenizer),
                        max_token_bytes=max_token_bytes(tokenizer), state=state,
                        message_tokens=message_tokens(tokenizer) if getattr(tokenizer, "chat_template", None) else 0,
-                       reuse_blocker=blocker, forward=forward)
+                       reuse_blocker=blocker, forward=forward, media=media, media_blocker=media_blocker,
+                       experts=split)

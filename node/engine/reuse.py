@@ -8,14 +8,17 @@ asks), `settle` seals cold state and wipes what idle lanes still hold, and `drop
 caller's state. It also keeps the reply book and the lanes (`cache/lanes.py`), which outlive requests, and tells
 them which rows of a lane are the last stored request's (the hot working cache, which the next request of that
 caller starts from without a copy) and which may be wiped. Plaintext of one caller is never handed to another:
-every copy between running requests, and every adoption of a lane's rows, is within one scope.
+every copy between running requests, and every adoption of a lane's rows, is within one scope. The one state
+read across callers is a trust group's shared prefix (`GenerationRequest.shared`): stored in the group's own
+scope, and looked up there only for a request its member sent asking for it (membership checked per request).
 """
 
 from __future__ import annotations
 
+import time
 from collections import abc
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,15 +26,19 @@ from transformers import DynamicCache
 
 from cache.adapters import Snapshot
 from cache.arena import Borrowed, Scope, SealCost, SealedEntryError, StateArena
+from cache.encodings import EncodingCache
 from cache.lanes import Lanes
 from cache.opening import Opening
-from cache.prefix_cache import PrefixCache, StoreResult, belongs_to
+from cache.prefix_cache import Hold, PrefixCache, ReuseLease, StoreResult, belongs_to
 from cache.radix_tree import common_prefix_length
 from cache.replies import ReplyBook
+from cache.scope import SharedPrefix
+from cache.sealing import Sealer
 from cache.snapshot_policy import SnapshotPolicy
 from cache.token_digest import DigestRun
 from node.engine.kinship import FOLLOW_MIN, best_donor, copied_snapshots, copy_rows, held_state
 from node.engine.loader import LoadedModel
+from node.engine.media import PromptMedia, SequenceMedia
 from node.engine.seal_cost import measure_seal_cost
 from node.engine.sequence import GenerationRequest, Sequence
 
@@ -56,6 +63,12 @@ class Restored:
     and how far they agree: `ReuseManager.follow` copies its rows rather than computing them."""
     wanted: list[int]
     """Prompt positions to snapshot the state at (the snapshot policy's), so that what is stored resumes there."""
+    media: SequenceMedia | None = None
+    """The prompt's attachments, with the encodings of those its prefill reads."""
+    encoded: int = 0
+    """Attachments encoded for it (`ReuseManager._media`)."""
+    encode_s: float = 0.0
+    """Seconds its attachments' encoding (and encoding cache lookups) took, when any was encoded."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +114,13 @@ class ReuseManager:
         too, so that a conversation's prompts, and so its outputs, are the same with reuse on and off."""
         self._live = live
         self._hot: HotLane | None = None
+        self.encodings: EncodingCache | None = None
+        """The scopes' attachment encodings (`cache/encodings.py`), for a model that takes attachments and keeps
+        state: sealed under their own sealer's keys where stored state is sealed."""
+        if loaded.media is not None and self.arena is not None and self.keeps_state:
+            sealer = Sealer(self.arena.sealer.threads) if self.arena.sealer is not None else None
+            self.encodings = EncodingCache(sealer, host_copies=self.arena.host_copies)
+        self._encoder = loaded.media.encoder if loaded.media is not None else ""
 
     def reserve_lanes(self, lanes: int, budget: int) -> int:
         """At start: give `lanes` lanes working buffers of as many token rows as `budget` bytes allow in all (whole
@@ -188,12 +208,42 @@ class ReuseManager:
         Takes the request and its lane rather than its `Sequence`, which holds the working cache made here."""
         prompt = request.prompt
         donor = self._donor(request)
-        cache, length, matched, scratch, opening = self._restore(request.scope, prompt,
-                                                                 len(prompt) + request.params.max_tokens, lane, donor)
+        if donor is not None and request.media is not None:
+            donor = (donor[0], request.media.resume_limit(donor[1]))
+        cache, length, matched, scratch, opening = self._restore(
+            request.scope, request.keys, len(prompt) + request.params.max_tokens, lane, donor, request.media,
+            request.shared)
         wanted = self._snapshot_plan(prompt, request.boundaries, length, matched)
+        if request.media is not None:
+            wanted = [position for position in wanted if request.media.inside(position) is None]
         if donor is not None and donor[1] < length + FOLLOW_MIN:
             donor = None  # it computes too little of this prompt beyond what was restored to be followed
-        return Restored(cache, length, matched, scratch, opening, donor, wanted)
+        started = time.perf_counter()
+        media, encoded = self._media(request, length)
+        return Restored(cache, length, matched, scratch, opening, donor, wanted, media, encoded,
+                        time.perf_counter() - started if encoded else 0.0)
+
+    def _media(self, request: GenerationRequest, restored: int) -> tuple[SequenceMedia | None, int]:
+        """The encodings of `request`'s attachments that its prefill reads (those not wholly restored): found in the
+        scope's encoding cache, else encoded now (and kept there); and how many were encoded."""
+        if request.media is None:
+            return None, 0
+        forward, media = self.loaded.forward, request.media
+        held = SequenceMedia(media)
+        encoded = 0
+        for index, item in enumerate(media.items):
+            if item.end <= restored:
+                continue
+            found = None
+            if self.encodings is not None and request.retain:
+                found = self.encodings.get(request.scope, item.digest, self._encoder)
+            if found is None:
+                found = forward.encode(item.inputs)
+                encoded += 1
+                if self.encodings is not None and request.retain:
+                    self.encodings.put(request.scope, item.digest, self._encoder, found)
+            held.encodings[index] = found
+        return held, encoded
 
     def _donor(self, request: GenerationRequest) -> tuple[Sequence, int] | None:
         """`kinship.best_donor` of the running requests, where state can be copied between requests (not with
@@ -208,12 +258,15 @@ class ReuseManager:
         return self.policy.prompt_positions(start, len(prompt), boundaries, branch=matched if matched > start else 0)
 
     def _restore(self, scope: Scope, prompt: list[int], capacity: int, lane: int,
-                 donor: tuple[Sequence, int] | None = None
+                 donor: tuple[Sequence, int] | None = None, media: PromptMedia | None = None,
+                 shared: SharedPrefix | None = None
                  ) -> tuple[DynamicCache, int, int, list[torch.Tensor], Opening | None]:
         """A working cache in `lane` resumed at the deepest resume point; (cache, its length, tokens matched,
         state opened outside the lane's buffers, sealed rows still opening). Rows that `donor` (a running
         request of the scope whose prompt agrees with `prompt` for `donor[1]` tokens) holds are copied from it
-        rather than opened."""
+        rather than opened. `prompt` is what the index matches (`GenerationRequest.keys`); `media`'s attachments
+        that attend both ways hold no resume point. `shared`: the prompt's prefix its trust group shares, resumed
+        from the group's scope where that holds more of it than the caller's own."""
         state = self.loaded.state
         hot = self._hot if self._hot is not None and self._hot.lane == lane else None
         if hot is not None:
@@ -229,12 +282,18 @@ class ReuseManager:
         # At least one prompt token is always computed: its logits choose the first output token.
         run = self.prefix_cache.digest(scope, prompt)
         for _ in range(2):
-            lease = self.prefix_cache.acquire(scope, run, limit=len(prompt) - 1, anywhere=self.resumes_anywhere)
+            lease = self._acquire(scope, run, len(prompt) - 1, media)
+            if shared is not None and lease.length < shared.length:
+                group = self._acquire(shared.scope, self.prefix_cache.digest(shared.scope, prompt),
+                                      min(shared.length, len(prompt) - 1), media)
+                lease, other = (group, lease) if group.length > lease.length else (lease, group)
+                self.prefix_cache.release(other)
             opening: Opening | None = None
             try:
                 # The same scope's last request left its state in this lane's buffers: the part of the lease
                 # it covers needs no copy.
-                warm = min(common_prefix_length(hot.run, run), lease.length) if hot and hot.scope == scope else 0
+                warm = (min(common_prefix_length(hot.run, run), lease.length)
+                        if hot and hot.scope == scope == lease.scope else 0)
                 cache, adopted = lanes.new_cache(lane, capacity, adopt=warm)
                 held = min(donor[1], donor[0].position, lease.length) if donor is not None else 0
                 if donor is not None and held > adopted:
@@ -253,9 +312,19 @@ class ReuseManager:
                     self.prefix_cache.release(lease)
             for tensor in self._opened(lane):
                 tensor.zero_()
-            self.prefix_cache.discard(scope, failed)
+            self.prefix_cache.discard(lease.scope, failed)
             hot = None
         return lanes.new_cache(lane, capacity)[0], 0, 0, [], None
+
+    def _acquire(self, scope: Scope, run: DigestRun, limit: int, media: PromptMedia | None) -> ReuseLease:
+        """`PrefixCache.acquire` in `scope`, at most `limit` tokens in, never ending inside an attachment."""
+        assert self.prefix_cache is not None
+        lease = self.prefix_cache.acquire(scope, run, limit=limit, anywhere=self.resumes_anywhere)
+        if media is not None and media.inside(lease.length) is not None:
+            self.prefix_cache.release(lease)  # it ends inside an image: resume before the image instead
+            lease = self.prefix_cache.acquire(scope, run, limit=media.resume_limit(lease.length),
+                                              anywhere=self.resumes_anywhere)
+        return lease
 
     def _opened(self, lane: int) -> list[torch.Tensor]:
         """Count the rows an opening wrote in `lane`'s buffers as written; the state it opened elsewhere."""
@@ -318,7 +387,7 @@ class ReuseManager:
             self.prefix_cache.release(opening.lease)
         for tensor in seq.scratch:
             tensor.zero_()
-        self.prefix_cache.discard(seq.request.scope, failed)
+        self.prefix_cache.discard(opening.lease.scope, failed)
         return False
 
     # -- a request ends -------------------------------------------------------------------------------------
@@ -336,8 +405,8 @@ class ReuseManager:
         """Remember `seq`'s reply for its scope when it keeps its state and its text is exactly its ids decoded
         (with no stop string cut from it, no special token inside it): a conversation that sends the text back
         is then given the ids. Done with reuse off too (`replies`)."""
-        if not seq.request.retain or seq.discard or seq.prefilling:
-            return
+        if not seq.request.retain or seq.discard or seq.prefilling or seq.request.write.limit is not None:
+            return  # with breakpoints, the reply is not stored
         ids = seq.output
         while ids and ids[-1] in self.loaded.eos_token_ids:
             ids = ids[:-1]
@@ -350,27 +419,50 @@ class ReuseManager:
         return (seq.request.retain and self.keeps_state and not seq.discard and not seq.prefilling
                 and bool(seq.output) and not seq.fed and self.prefix_cache is not None)
 
-    def end(self, seq: Sequence) -> StoreResult | None:
+    def end(self, seq: Sequence) -> int | None:
         """Store the state of `seq`, ended and out of its lane, for its caller, with its remembered prefix forms;
-        None when nothing of it is kept (retention none, its caller removed while it ran, reuse off, or a model
-        whose state is not worth keeping). A request cancelled while prefilling keeps what it computed."""
-        request, prompt, output = seq.request, seq.request.prompt, seq.output
+        returns the prompt tokens it newly stored, billed as cached writes. None when nothing of it is kept
+        (retention none, its caller removed while it ran, reuse off, or a model whose state is not worth keeping).
+        A request cancelled while prefilling keeps what it computed.
+
+        A request sharing a prefix with its trust group (`GenerationRequest.shared`) stores that prefix in the
+        group's scope too, billed to it when the group did not hold it yet. Its own scope keeps the whole of what
+        it computed, its copy of the prefix included, sealed under its own key: its next turns resume from its
+        own state alone, whatever the group's holds by then, and nothing in one scope's index ever names another
+        scope's entries (a reference would let one tree split or evict what another leans on). Its copy of the
+        prefix is not billed as a write: the group's was."""
+        request, prompt, output = seq.request, seq.request.keys, seq.output
         if not (request.retain and self.keeps_state) or seq.discard:
             return None
         assert self.prefix_cache is not None
         fed = prompt + output
+        limit = request.write.limit
         if seq.prefilling:
             fed = prompt[:seq.position]
-        elif output:
+        if limit is not None:
+            fed = fed[:limit]  # Anthropic's breakpoints: the prompt up to the last one, no further
+        elif output and not seq.prefilling:
             self.snapshot_end(seq, len(fed))
+        own, written = 0, 0
+        shared = request.shared
+        if shared is not None:
+            own = shared.length
+            if len(fed) >= shared.length:
+                group = self.prefix_cache.digest(shared.scope, fed[:shared.length])
+                written = _written(self.store(seq.lane, shared.scope, group, seq.cache, seq.snapshots,
+                                              request.write.holds(shared.length)), 0, shared.length, seq)
+                # The group's prefixes, for the summaries of the routers of its members (under the group's id).
+                at = tuple((position, form) for position, form in request.forms.at if position <= shared.length)
+                if at:
+                    self.prefix_cache.record_forms(shared.scope, group, at)
         # One run of digests for the index, the hot working cache and the remembered forms.
         held = self.prefix_cache.digest(request.scope, fed)
-        stored = self.store(seq.lane, request.scope, held, seq.cache, seq.snapshots)
+        stored = self.store(seq.lane, request.scope, held, seq.cache, seq.snapshots, request.write.holds(len(held)))
         forms = request.forms
         if not seq.prefilling and (forms.at or forms.reply is not None):
             reply_end = () if forms.reply is None else ((len(held), forms.reply(seq.detok.text)),)
             self.prefix_cache.record_forms(request.scope, held, forms.at + reply_end)
-        return stored
+        return written + _written(stored, own, len(prompt), seq)
 
     def snapshot_end(self, seq: Sequence, end: int) -> None:
         """The end of everything `seq` stores (its reply's, or a bare prompt's) is a resume point."""
@@ -378,9 +470,9 @@ class ReuseManager:
             seq.snapshots[end] = self.loaded.state.snapshot(seq.cache)
 
     def store(self, lane: int, scope: Scope, tokens: abc.Sequence[int] | DigestRun, cache: DynamicCache,
-              snapshots: dict[int, Snapshot]) -> StoreResult:
-        """Store the state `cache` holds of `tokens` for `scope`, borrowing `lane`'s buffers until `settle`; the
-        lane becomes the scope's hot working cache."""
+              snapshots: dict[int, Snapshot], holds: abc.Sequence[Hold] | None = None) -> StoreResult:
+        """Store the state `cache` holds of `tokens` for `scope`, held as `holds` say (`PrefixCache.store`),
+        borrowing `lane`'s buffers until `settle`; the lane becomes the scope's hot working cache."""
         if self.prefix_cache is None or self.loaded.state is None:
             return StoreResult(len(tokens), 0)
         state = self.loaded.state
@@ -388,7 +480,7 @@ class ReuseManager:
         run = self.prefix_cache.digest(scope, tokens)
         # Views of the lane's buffers: `settle` seals them from there (or copies them) before they are reused.
         result = self.prefix_cache.store(
-            scope, run, lambda start, end: Borrowed(state.extract(cache, start, end, borrow=True)), snapshots)
+            scope, run, lambda start, end: Borrowed(state.extract(cache, start, end, borrow=True)), snapshots, holds)
         self._hot = HotLane(lane, scope, run)
         return result
 
@@ -409,25 +501,47 @@ class ReuseManager:
             self.arena.wipe_scratch()
 
     def drop_caller(self, caller: str) -> bool:
-        """The caller's key was removed: its stored state (and that of the callers it acts for as a router) is
-        zeroed, its keys destroyed, its replies forgotten, and its running requests will store nothing. True when
-        its hot working cache is dropped too: the caller then settles, which wipes it."""
-        self.replies.drop(lambda scope: belongs_to(scope, caller))
+        """The caller's key was removed: `drop` of its scopes (and of the callers it acts for as a router), and its
+        lookup counts forgotten."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_caller(caller)
+        return self.drop(lambda scope: belongs_to(scope, caller))
+
+    def drop(self, select: Callable[[Scope], bool]) -> bool:
+        """The selected scopes' stored state is zeroed, their keys destroyed, their replies forgotten, and their
+        running requests will store nothing (a caller's key removed; a caller shredding its own state). True when
+        the hot working cache is among them: the caller then settles, which wipes it."""
+        self.replies.drop(select)
+        if self.encodings is not None:
+            self.encodings.drop(select)
         for seq in self._live.values():
-            if belongs_to(seq.request.scope, caller):
+            if select(seq.request.scope):
                 seq.discard = True  # nothing of it is stored when it ends
+            elif seq.request.shared is not None and select(seq.request.shared.scope):
+                seq.request = replace(seq.request, shared=None)  # its trust group is gone: it stores nothing there
         if self.prefix_cache is None:
             return False
-        dropped = self.prefix_cache.drop_caller(caller)
-        return self._cool(lambda scope: scope in dropped or belongs_to(scope, caller))
+        self.prefix_cache.drop(select)
+        return self._cool(select)
 
     def expire(self, ttl_of: Callable[[str], float | None]) -> bool:
-        """Destroy the state and replies of scopes unused for longer than their caller's time to live. True when
-        the hot working cache is among them: the caller then settles, which wipes it."""
-        self.replies.expire(ttl_of)
-        if self.prefix_cache is None:
+        """Destroy the stored entries unused for longer than their time to live (`PrefixCache.expire`; `ttl_of`:
+        a caller's default), and the replies and encodings of scopes unused for longer than the longest time any
+        of their caller's entries is held: a conversation held for a day is given its replies' ids for a day. True
+        when the hot working cache lost state: the caller then settles, which wipes it."""
+        prefix_cache = self.prefix_cache
+        if prefix_cache is None:
+            self.replies.expire(ttl_of)
             return False
-        expired = self.prefix_cache.expire(ttl_of)
+
+        def held_for(caller: str) -> float | None:
+            default = ttl_of(caller)
+            return None if default is None else max(default, prefix_cache.longest_ttl(caller))
+
+        self.replies.expire(held_for)
+        if self.encodings is not None:
+            self.encodings.expire(held_for)
+        expired = prefix_cache.expire(ttl_of)
         return self._cool(lambda scope: scope in expired)
 
     def _cool(self, gone: Callable[[Scope], bool]) -> bool:
@@ -436,3 +550,11 @@ class ReuseManager:
             return False
         self._hot = None
         return True
+
+
+def _written(stored: StoreResult, start: int, end: int, seq: Sequence) -> int:
+    """Tokens of `[start, end)` among those `stored` newly holds, added by class to `seq.written`."""
+    low, high = max(start, stored.start), min(end, stored.start + stored.stored)
+    for ttl, count in seq.request.write.written(low, high).items():
+        seq.written[ttl] = seq.written.get(ttl, 0) + count
+    return max(0, high - low)

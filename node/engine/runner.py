@@ -157,11 +157,14 @@ class ModelRunner:
         got = self.reuse.begin(request, lane)
         stops = sorted(set(got.wanted) | set(range(got.length + self.prefill_chunk, len(prompt), self.prefill_chunk))
                        | {len(prompt)})
+        if request.media is not None:
+            stops = request.media.chunk_stops(stops)  # no chunk ends inside an image that attends both ways
         seq = Sequence(request=request, emit=emit, cancelled=cancelled, queue_wait_s=queue_wait_s, lane=lane,
                        started=started, cache=got.cache, restored=got.length, matched=got.matched,
                        stops=[stop for stop in stops if stop > got.length], wanted=frozenset(got.wanted),
                        sampler=Sampler(params), detok=Detokenizer(self.loaded.tokenizer, params.stop),
-                       scratch=got.scratch, position=got.length, opening=got.opening, donor=got.donor)
+                       scratch=got.scratch, position=got.length, opening=got.opening, donor=got.donor,
+                       media=got.media, encoded=got.encoded, encode_s=got.encode_s)
         self._live[lane] = seq
         return seq
 
@@ -169,7 +172,8 @@ class ModelRunner:
     def prefill(self, seq: Sequence) -> None:
         """Run the next chunk of `seq`'s prompt; after the last, choose its first token."""
         stop = seq.stops.pop(0)
-        seq.prediction = self.forward.prefill(seq.request.prompt[seq.position:stop], seq.position, seq.cache)
+        seq.prediction = self.forward.prefill(seq.request.prompt[seq.position:stop], seq.position, seq.cache,
+                                              seq.media)
         if not self._opened_all(seq, restart=True):
             return
         seq.position = stop
@@ -185,7 +189,7 @@ class ModelRunner:
         self.decode_steps += 1
         predictions, together = self.forward.decode(
             self._batched, [seq.output[-1] for seq in seqs],
-            [len(seq.request.prompt) + len(seq.output) - 1 for seq in seqs], [seq.cache for seq in seqs],
+            [_position(seq) for seq in seqs], [seq.cache for seq in seqs],
             lambda: self._kinship.groups(seqs, self._live), [seq.sampler.params.argmax_only for seq in seqs])
         if together:
             self.batched_steps += 1
@@ -228,6 +232,8 @@ class ModelRunner:
         seq.donor = None
         self._kinship.leave(seq.lane)
         self.reuse.vacate(seq)
+        if seq.media is not None:
+            seq.media.wipe()
 
     def _opened_all(self, seq: Sequence, restart: bool) -> bool:
         """`ReuseManager.finish_opening`. False when an entry failed to open; with `restart` the request then
@@ -237,9 +243,13 @@ class ModelRunner:
         if restart:
             del self._live[seq.lane]
             again = self.start(seq.request, seq.emit, seq.cancelled, seq.queue_wait_s, seq.lane)
+            if seq.media is not None:
+                seq.media.wipe()
             for name in ("cache", "restored", "matched", "stops", "wanted", "scratch", "position", "opening",
-                         "donor", "snapshots", "prediction"):
+                         "donor", "snapshots", "prediction", "media"):
                 setattr(seq, name, getattr(again, name))
+            seq.encoded += again.encoded
+            seq.encode_s += again.encode_s
             self._live[seq.lane] = seq
         return False
 
@@ -253,7 +263,7 @@ class ModelRunner:
             return
         try:
             fed = self.forward.feed(self._batched, [seq.output[-1] for seq in feed],
-                                    [len(seq.request.prompt) + len(seq.output) - 1 for seq in feed],
+                                    [_position(seq) for seq in feed],
                                     [seq.cache for seq in feed], lambda: self._kinship.groups(feed, self._live))
         except BaseException:
             for seq in feed:
@@ -277,14 +287,17 @@ class ModelRunner:
         self.reuse.remember_reply(seq)
         if self.reuse.awaits_last_token(seq):
             # The last token was sampled but not yet run: run it so the stored state ends with the reply.
-            self.forward.extend([output[-1]], len(prompt) + len(output) - 1, seq.cache)
-        stored = self.reuse.end(seq)
-        # Prompt tokens among those newly stored and still held.
-        written = 0 if stored is None else max(0, min(len(prompt), stored.start + stored.stored) - stored.start)
+            self.forward.extend([output[-1]], _position(seq), seq.cache)
+        written = self.reuse.end(seq)  # prompt tokens newly stored and still held
         return GenerationResult(prompt_tokens=len(prompt), cached_read_tokens=seq.restored,
-                                cached_write_tokens=written, output_ids=output, text=seq.detok.text,
+                                cached_write_tokens=written or 0, cached_write_1h_tokens=seq.written.get("1h", 0),
+                                cached_write_24h_tokens=seq.written.get("24h", 0), output_ids=output,
+                                text=seq.detok.text,
                                 finish_reason=seq.finish_reason or "length", queue_wait_s=seq.queue_wait_s,
-                                ttft_s=seq.ttft, retained=stored is not None, matched_tokens=matched)
+                                ttft_s=seq.ttft, retained=written is not None, matched_tokens=matched,
+                                attachments_encoded=seq.encoded, encode_s=seq.encode_s,
+                                stop_sequence=seq.detok.matched if seq.finish_reason == "stop" else None,
+                                attachments_reused=0 if seq.media is None else len(seq.media.media.items) - seq.encoded)
 
     def generate(self, request: GenerationRequest, emit: Callable[[str], Any],
                  cancelled: Callable[[], bool], queue_wait_s: float = 0.0, lane: int = 0) -> GenerationResult:
@@ -296,3 +309,9 @@ class ModelRunner:
                 raise exc
             for _, result in outcome.finished:
                 return result
+
+
+def _position(seq: Sequence) -> int:
+    """The position id of `seq`'s last sampled token: its index, shifted where the prompt's attachments take
+    other positions than their indices (`GenerationRequest.shift`)."""
+    return len(seq.request.prompt) + len(seq.output) - 1 + seq.request.shift

@@ -1,4 +1,4 @@
-"""Choosing the next token: greedy, or temperature with nucleus (top-p) sampling under a seed; logit biases
+"""Choosing the next token: greedy, or temperature with top-k and nucleus (top-p) sampling under a seed; logit biases
 and presence/frequency penalties (over the tokens generated so far, as OpenAI defines them) adjust the
 logits first."""
 
@@ -21,6 +21,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    top_k: int = 0
+    """Sample among the `top_k` most likely tokens only (ties at the k-th kept); 0: no such limit."""
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +69,10 @@ class Sampler:
         if self.params.greedy:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits / self.params.temperature, dim=-1)
+        if 0 < self.params.top_k < probs.shape[0]:
+            kth = torch.topk(probs, self.params.top_k).values[-1]
+            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+            probs /= probs.sum()
         if self.params.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs

@@ -2,7 +2,8 @@
 
 Model calls run off the event loop, in one worker thread per model, so the HTTP server keeps answering
 while prompts are prefilled. Callers take turns: each has its own FIFO, and requests are admitted from the
-callers round-robin, so one caller's burst cannot starve another's single request. Up to `max_running`
+callers round-robin (`caller_queue.py`, which the media worker queues by too), so one caller's burst cannot starve
+another's single request. Up to `max_running`
 admitted requests run at once, each in its own lane of working memory, and the worker advances them in
 steps. Each step is planned here (`StepPlan`) and run by the model runner (`ModelRunner.run`): requests whose
 prompt a running request of their caller is computing copy its rows instead, and wait for them (`follow`);
@@ -20,22 +21,20 @@ import logging
 import threading
 import time
 import traceback
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from node.engine.caller_queue import CallerQueues
+from node.engine.caller_queue import QueueFullError as QueueFullError  # the scheduler's refusal, caught by its callers
 from node.engine.runner import GenerationRequest, GenerationResult, ModelRunner, Sequence, StepPlan
 from node.log_privacy import Safe
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class QueueFullError(Exception):
-    """The node has as many waiting requests as it is configured to hold."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,13 +116,11 @@ their prompts back in any case."""
 class Scheduler:
     def __init__(self, runner: ModelRunner, max_queue: int, max_running: int = MAX_RUNNING) -> None:
         self.runner = runner
-        self.max_queue = max_queue
         self.max_running = max(1, max_running)
         self.ttl_of: Callable[[str], float | None] = lambda caller: None
         """A caller's time to live for stored state (seconds, None: no limit), from the node's config."""
-        self._queues: OrderedDict[str, deque[Job]] = OrderedDict()
+        self._queues: CallerQueues[Job] = CallerQueues(max_queue)
         self._chores: deque[Callable[[], None]] = deque()
-        self._waiting = 0
         self._running: list[tuple[Job, Sequence]] = []
         """Admitted requests, in the order they came in; touched by the worker thread only."""
         self._turn = 0
@@ -142,8 +139,12 @@ class Scheduler:
         self._thread.join(timeout=30)
 
     @property
+    def max_queue(self) -> int:
+        return self._queues.max_queue
+
+    @property
     def waiting(self) -> int:
-        return self._waiting
+        return self._queues.waiting
 
     @property
     def running(self) -> int:
@@ -151,30 +152,25 @@ class Scheduler:
 
     def check_room(self) -> None:
         """Raise QueueFullError when a request submitted now would be refused."""
-        if self._waiting >= self.max_queue:
-            raise QueueFullError(f"the node is busy: {self._waiting} requests are waiting; retry later")
+        self._queues.check_room()
 
     def reserve(self) -> None:
         """Hold a place in the queue for a job submitted later with `reserved=True` (or `release` it);
         raises QueueFullError when there is none."""
         with self._cond:
-            self.check_room()
-            self._waiting += 1
+            self._queues.reserve()
 
     def release(self) -> None:
         """Give back a place held by `reserve` that no job will take."""
         with self._cond:
-            self._waiting -= 1
+            self._queues.release()
 
     def submit(self, caller: str, request: GenerationRequest, streamed: bool = False, reserved: bool = False) -> Job:
         """Queue a job; `reserved`: it takes the place a `reserve` held (and cannot be refused)."""
         job = Job(caller=caller, request=request, loop=asyncio.get_running_loop(), streamed=streamed,
                   withdraw=self._withdraw)
         with self._cond:
-            if not reserved:
-                self.check_room()
-                self._waiting += 1
-            self._queues.setdefault(caller, deque()).append(job)
+            self._queues.push(caller, job, reserved)
             self._cond.notify()
         return job
 
@@ -202,13 +198,8 @@ class Scheduler:
 
     def _withdraw(self, job: Job) -> None:
         with self._cond:
-            queue = self._queues.get(job.caller)
-            if queue is None or job not in queue:
+            if not self._queues.remove(job.caller, job):
                 return  # already taken by the worker, which sees the cancellation itself
-            queue.remove(job)
-            if not queue:
-                del self._queues[job.caller]
-            self._waiting -= 1
         job.post(Failed(asyncio.CancelledError()))
 
     def _take(self) -> tuple[list[Callable[[], None]], list[Job]] | None:
@@ -226,13 +217,7 @@ class Scheduler:
             if any(not seq.prefilling and not seq.done for _, seq in self._running):
                 admit = min(admit, ADMIT_WHILE_DECODING)
             while self._queues and len(jobs) < admit:
-                caller, queue = next(iter(self._queues.items()))
-                job = queue.popleft()
-                # Round-robin: the caller goes to the back of the rotation, or leaves it when drained.
-                del self._queues[caller]
-                if queue:
-                    self._queues[caller] = queue
-                self._waiting -= 1
+                job = self._queues.pop()  # round-robin over the callers
                 job.withdraw = None  # admitted: cancellation stops it at its next step
                 jobs.append(job)
         return chores, jobs
@@ -268,7 +253,7 @@ class Scheduler:
             self._step()
         elif not jobs:
             self._guarded(lambda: self.runner.expire(self.ttl_of))
-            self._guarded(lambda: self.runner.settle(stop=lambda: self._waiting > 0))  # what a busy spell left
+            self._guarded(lambda: self.runner.settle(stop=lambda: self.waiting > 0))  # what a busy spell left
 
     def _admit(self, job: Job) -> None:
         if job.cancel_event.is_set():
@@ -299,8 +284,8 @@ class Scheduler:
         if outcome.finished or outcome.failed:
             # After replies: cold state is sealed, running and waiting work going first (up to a bound), and
             # plaintext no longer hot is zeroed, requests waiting to start going first.
-            self._guarded(lambda: self.runner.settle(stop=lambda: bool(self._running) or self._waiting > 0,
-                                                     waiting=lambda: self._waiting > 0))
+            self._guarded(lambda: self.runner.settle(stop=lambda: bool(self._running) or self.waiting > 0,
+                                                     waiting=lambda: self.waiting > 0))
 
     def _plan(self) -> StepPlan:
         """The next step: requests cancelled while waiting for their prompt retire; those following a request of
@@ -343,5 +328,5 @@ class Scheduler:
         job.post(Failed(exc))
 
     def describe(self) -> dict[str, Any]:
-        return {"waiting": self._waiting, "max_queue": self.max_queue, "running": len(self._running),
+        return {"waiting": self.waiting, "max_queue": self.max_queue, "running": len(self._running),
                 "max_running": self.max_running}

@@ -13,7 +13,10 @@ from transformers import DynamicCache
 from cache.adapters import Snapshot
 from cache.arena import Scope
 from cache.opening import Opening
+from cache.scope import SharedPrefix
+from cache.ttl import AUTOMATIC, TtlClass, WritePlan
 from node.engine.detokenizer import Detokenizer
+from node.engine.media import PromptMedia, SequenceMedia
 from node.engine.prediction import Prediction
 from node.engine.sampling import Sampler, SamplingParams
 
@@ -42,6 +45,25 @@ class GenerationRequest:
     """Keep this request's state for reuse; False: nothing of it is stored or left hot after the reply."""
     forms: PrefixForms = NO_FORMS
     """Remembered with the stored state (when it is kept), for the caller's router's summaries."""
+    media: PromptMedia | None = None
+    """The prompt's attachments (`media.py`); None for a text prompt."""
+    write: WritePlan = AUTOMATIC
+    """What of it is stored (when it is kept) and for how long: its time-to-live class, or Anthropic's breakpoints
+    (only the prompt up to the last is stored; the rest and the reply are not)."""
+    shared: SharedPrefix | None = None
+    """The prompt's prefix its caller's trust group shares (resumed from and stored in the group's scope); None:
+    everything is the caller's own."""
+
+    @property
+    def keys(self) -> list[int]:
+        """What the prefix index matches the prompt by: its ids, with each attachment's placeholders keyed by the
+        attachment (`PromptMedia.keys`)."""
+        return self.prompt if self.media is None else self.media.keys
+
+    @property
+    def shift(self) -> int:
+        """Added to a position after the prompt to give its position id (`PromptMedia.delta`)."""
+        return 0 if self.media is None else self.media.delta
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +85,19 @@ class GenerationResult:
     matched_tokens: int = 0
     """Prompt tokens that agreed with this scope's stored tokens (at most all but one): what a node able to
     resume at any token would have reused. `cached_read_tokens` falls short of it only between snapshots."""
+    attachments_encoded: int = 0
+    """Attachments of the prompt whose encoder ran for this request."""
+    attachments_reused: int = 0
+    """Attachments of the prompt not encoded: their positions restored with the prefix, or their encoding found in
+    the caller's encoding cache."""
+    encode_s: float = 0.0
+    """Seconds the encoder ran for this request (part of its time to first token)."""
+    cached_write_1h_tokens: int = 0
+    cached_write_24h_tokens: int = 0
+    """Of `cached_write_tokens`, those written under the `1h` and `24h` classes (`cache/ttl.py`), each priced
+    apart; the rest are of the default or `5m` class."""
+    stop_sequence: str | None = None
+    """The stop string that ended the reply (its `finish_reason` "stop"); None when another reason ended it."""
 
 
 @dataclass(eq=False)
@@ -108,6 +143,14 @@ class Sequence:
     """(request, n): a running request of the same caller whose prompt agrees with this one's for n tokens, and
     which computes them ahead of this one; this one copies its rows instead of computing them
     (`ReuseManager.follow`)."""
+    media: SequenceMedia | None = None
+    """Its prompt's attachments and the encodings its prefill reads (None for a text prompt)."""
+    encoded: int = 0
+    """Attachments encoded for it (the rest were restored with the prefix, or found encoded)."""
+    encode_s: float = 0.0
+    """Seconds its attachments' encoding took, before its first chunk."""
+    written: dict[TtlClass, int] = field(default_factory=dict)
+    """Prompt tokens it newly stored, by time-to-live class (`ReuseManager.end`)."""
 
     @property
     def prefilling(self) -> bool:

@@ -343,15 +343,24 @@ def build_tokenizer(context: int = SIZES["default"].context, named_tokens: dict[
 def init_model(arch: str, out_dir: Path, size: str = "default") -> Path:
     """Write a seeded random causal LM and its tokenizer to out_dir (created; must not exist).
 
-    A vision-language architecture (`synthetic_vlm.VISION_LANGUAGE`) is written with its processor instead."""
-    # Imported here: synthetic_vlm builds on this module's recipes and tokenizer.
+    A vision- or audio-language architecture (`synthetic_vlm.VISION_LANGUAGE`, `synthetic_alm.AUDIO_LANGUAGE`) is
+    written with its processor instead."""
+    # Imported here: synthetic_vlm and synthetic_alm build on this module's recipes and tokenizer.
+    from node.engine.synthetic_alm import AUDIO_LANGUAGE, init_audio_language_model
     from node.engine.synthetic_vlm import VISION_LANGUAGE, init_vision_language_model
 
     if arch in VISION_LANGUAGE:
         return init_vision_language_model(arch, Path(out_dir), size)
+    if arch in AUDIO_LANGUAGE:
+        return init_audio_language_model(arch, Path(out_dir), size)
+    if arch == "diffusion":  # an image pipeline, one size (node.media.synthetic_diffusion)
+        from node.media.synthetic_diffusion import init_diffusion_model
+
+        return init_diffusion_model(Path(out_dir))
     if arch not in ARCHITECTURES:
         raise UnknownArchitectureError(
-            f"unknown architecture {arch!r}; choose one of: {', '.join(sorted([*ARCHITECTURES, *VISION_LANGUAGE]))}")
+            f"unknown architecture {arch!r}; choose one of: "
+            f"{', '.join(sorted([*ARCHITECTURES, *VISION_LANGUAGE, *AUDIO_LANGUAGE]))}")
     if size not in SIZES:
         raise UnknownArchitectureError(f"unknown size {size!r}; choose one of: {', '.join(sorted(SIZES))}")
     config = ARCHITECTURES[arch](SIZES[size])

@@ -76,15 +76,16 @@ class VisionLanguageRecipe:
     make every image the same to the text model."""
 
 
-def chat_template(image_part: str) -> str:
-    """The text models' ChatML template, where a message's content may also be an OpenAI list of parts."""
+def chat_template(image_part: str, types: tuple[str, ...] = ("image", "image_url")) -> str:
+    """The text models' ChatML template, where a message's content may also be an OpenAI list of parts; `image_part`
+    is written for a part of one of `types` (an audio model's parts are audio ones)."""
     return (
         "{% for message in messages %}"
         "<|im_start|>{{ message['role'] }}\n"
         "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
         "{% for part in message['content'] %}"
         "{% if part['type'] == 'text' %}{{ part['text'] }}"
-        f"{{% elif part['type'] in ('image', 'image_url') %}}{image_part}"
+        f"{{% elif part['type'] in {types!r} %}}{image_part}"
         "{% else %}{{ raise_exception('unsupported content part type: ' ~ part['type']) }}{% endif %}"
         "{% endfor %}{% endif %}"
         "<|im_end|>\n"

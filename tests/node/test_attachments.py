@@ -18,7 +18,7 @@ from node.attachments import (
     AttachmentLimits,
     PartIndex,
     PlacedAttachment,
-    collect_images,
+    collect_attachments,
     parse_image_part,
 )
 from node.errors import InvalidRequest
@@ -217,12 +217,12 @@ def test_the_images_of_a_chat_are_collected_in_order_with_their_places() -> None
         {"role": "assistant", "content": "they differ"},
         {"role": "user", "content": [part(data_url(PNG)), {"type": "text", "text": "again"}]},
     ]
-    placed = collect_images(messages, AttachmentLimits())
+    placed = collect_attachments(messages, AttachmentLimits())
     assert [(p.index, p.attachment.format) for p in placed] == [
         (PartIndex(1, 1), "PNG"), (PartIndex(1, 2), "JPEG"), (PartIndex(3, 0), "PNG")]
     assert all(isinstance(p, PlacedAttachment) for p in placed)
     assert placed[0].attachment.digest == placed[2].attachment.digest != placed[1].attachment.digest
-    assert collect_images([{"role": "user", "content": "no images"}], AttachmentLimits()) == ()
+    assert collect_attachments([{"role": "user", "content": "no images"}], AttachmentLimits()) == ()
 
 
 def test_too_many_attachments_are_refused_before_any_is_decoded() -> None:
@@ -231,9 +231,10 @@ def test_too_many_attachments_are_refused_before_any_is_decoded() -> None:
         {"role": "user", "content": [{"type": "text", "text": "and"}, part(data_url(PNG))]},
     ]
     with pytest.raises(InvalidRequest) as caught:
-        collect_images(messages, AttachmentLimits(max_attachments=2))
+        collect_attachments(messages, AttachmentLimits(max_attachments=2))
     assert caught.value.body() == {"error": {
-        "message": "the request holds 3 images; this node takes at most 2 in one request: send fewer",
+        "message": "the request holds 3 attachments (images and audio); this node takes at most 2 in one request: "
+                   "send fewer",
         "type": "invalid_request_error", "param": "messages[1].content[1]", "code": "array_above_max_length"}}
 
 
@@ -241,7 +242,7 @@ def test_a_refusal_in_a_later_message_names_that_part() -> None:
     messages = [{"role": "user", "content": [part(data_url(PNG))]},
                 {"role": "user", "content": [{"type": "text", "text": "x"}, part(data_url(JPEG))]}]
     with pytest.raises(InvalidRequest) as caught:
-        collect_images(messages, AttachmentLimits())
+        collect_attachments(messages, AttachmentLimits())
     assert caught.value.param == "messages[1].content[1].image_url.url"
 
 

@@ -100,3 +100,15 @@ def test_no_op_values_and_ignored_fields_are_accepted() -> None:
     assert parse_completion({"model": "m", "prompt": "x", "user": "u-1", "echo": False, "suffix": ""}).prompt == "x"
     error = refusal({**chat([{"role": "user", "content": "x"}]), "user": 7})
     assert (error.param, str(error)) == ("user", "'user' must be a string")
+
+
+@pytest.mark.parametrize(("value", "retain", "retention"), [
+    (None, True, "in_memory"), ("in_memory", True, "in_memory"), ("24h", True, "24h"), ("none", False, "none")])
+def test_prompt_cache_retention_is_carried_and_none_keeps_nothing(value: str | None, retain: bool,
+                                                                   retention: str) -> None:
+    params = parse_chat({**chat([{"role": "user", "content": "x"}]), "prompt_cache_retention": value,
+                         "prompt_cache_key": "team-a"}, BOUNDS).params
+    assert (params.retain, params.retention) == (retain, retention)
+    assert "team-a" not in repr(params)  # the key is accepted and kept nowhere
+    error = refusal({**chat([{"role": "user", "content": "x"}]), "prompt_cache_retention": "1h"})
+    assert error.param == "prompt_cache_retention"

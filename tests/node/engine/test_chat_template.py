@@ -109,3 +109,14 @@ def test_a_reply_the_template_changes_is_what_the_model_reads_not_the_generated_
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": reply}]
     assert (render_chat(stripping, messages, replies=lambda _: [1, 2, 3]).ids
             == render_chat(stripping, messages).ids)
+
+
+def test_split_at_finds_the_end_of_a_message_however_far_from_the_conversations_end(tokenizer: Any) -> None:
+    messages = [{"role": "system", "content": "Be brief."}] + [
+        {"role": "user" if index % 2 == 0 else "assistant", "content": f"turn {index}"} for index in range(20)]
+    system = tokenizer.apply_chat_template(messages[:1], tokenize=False)
+    plain = render_chat(tokenizer, messages)
+    split = render_chat(tokenizer, messages, split_at=1)
+    assert split.split == len(tokenizer.encode(system, add_special_tokens=False))
+    assert (split.ids, split.boundaries, plain.split) == (plain.ids, plain.boundaries, None)  # nothing else moves
+    assert render_chat(tokenizer, messages, split_at=21).split == plain.boundaries[-1]  # the last message's end

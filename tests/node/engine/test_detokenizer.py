@@ -40,3 +40,13 @@ def test_partial_stop_prefix_is_held_then_released() -> None:
 def test_earliest_of_several_stop_strings_wins() -> None:
     _, text, _ = feed("one two three", ("three", "two"))
     assert text == "one "
+
+
+def test_the_stop_string_that_ended_the_text_is_named_the_earliest_when_one_token_holds_two() -> None:
+    detok = Detokenizer(CharTokenizer(), ("three", "two"))
+    for ch in "one t":
+        detok.push(ord(ch))
+    assert detok.matched is None
+    detok._ids.extend(ord(ch) for ch in "wo thre")  # one token's worth of text that completes both at once
+    detok.push(ord("e"))
+    assert (detok.text, detok.matched) == ("one ", "two")

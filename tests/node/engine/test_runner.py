@@ -155,7 +155,7 @@ def test_without_reuse_the_prefill_is_not_cut_for_snapshots(small_model_dir: Pat
     plain = ModelRunner(hybrid, None, prefill_chunk=1024)
     lengths: list[int] = []
     prefill = Forward.prefill
-    monkeypatch.setattr(Forward, "prefill", lambda self, ids, start, cache: lengths.append(len(ids))
+    monkeypatch.setattr(Forward, "prefill", lambda self, ids, start, cache, media=None: lengths.append(len(ids))
                         or prefill(self, ids, start, cache))
     plain.generate(GenerationRequest(Scope("c", "h"), tokens(14, 300), SamplingParams(1, 0.0), boundaries=(90, 200)),
                    emit=lambda _: None, cancelled=lambda: False)
