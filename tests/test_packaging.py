@@ -106,3 +106,20 @@ def test_a_build_without_a_compiler_still_gives_a_wheel_without_the_kernels(tmp_
     names = zipfile.ZipFile(build_wheel(source, tmp_path / "dist", env)).namelist()
     assert "node/engine/kernels/cpu_kernels.cpp" in names
     assert not any(name.endswith(".so") for name in names)
+
+
+def test_the_benchmarks_output_folder_is_never_a_package(tmp_path: Path) -> None:
+    """`bench-results/` (what the benchmarks write in the checkout) once matched `bench*`: an editable install then
+    mapped it as a package and the node refused to start (its code identity found a package in two places)."""
+    import tomllib
+
+    from setuptools import find_namespace_packages  # pyproject's `packages.find` finds namespace packages too
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    for name in ("bench", "bench-results", "node", "node_extra"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "bench" / "__init__.py").write_text("")
+    (tmp_path / "node" / "__init__.py").write_text("")
+    (tmp_path / "bench-results" / "reuse.json").write_text("{}")
+    assert sorted(find_namespace_packages(str(tmp_path), include=include)) == ["bench", "node"]
+    assert "bench-results" in find_namespace_packages(str(tmp_path), include=["bench*"])  # the old pattern's catch
