@@ -64,7 +64,7 @@ def _service(request: web.Request, model: str) -> ModelService:
     return service
 
 
-def _usage(record: UsageRecord, result: GenerationResult) -> dict[str, Any]:
+def _usage(record: UsageRecord, result: GenerationResult, retention: str = "in_memory") -> dict[str, Any]:
     """The counts as the signed record bills them, and what only the response tells its caller."""
     counts = record.counts
     return {
@@ -81,7 +81,7 @@ def _usage(record: UsageRecord, result: GenerationResult) -> dict[str, Any]:
         "matched_tokens": result.matched_tokens,
         "server_ttft_ms": round(result.ttft_s * 1000.0, 3),
         # Whether this request's state was kept for the caller's reuse; "none": nothing stored, no cached writes.
-        "prompt_cache_retention": "in_memory" if result.retained else "none",
+        "prompt_cache_retention": retention if result.retained else "none",
         # The prompt's images: how many ran the model's encoder for this request, and how many did not (their
         # positions restored with the prefix, or their encoding found in the caller's encoding cache).
         **({"attachments": {"encoded": result.attachments_encoded, "reused": result.attachments_reused,
@@ -148,7 +148,7 @@ class Shape:
         else:
             choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason}
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        body["usage"] = _usage(record, result)
+        body["usage"] = _usage(record, result, params.retention)
         if params.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
             choice["token_ids"] = result.output_ids
@@ -164,9 +164,10 @@ class Shape:
         return self._envelope("text_completion",
                               [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}])
 
-    def usage_chunk(self, record: UsageRecord, result: GenerationResult) -> dict[str, Any]:
+    def usage_chunk(self, record: UsageRecord, result: GenerationResult, retention: str = "in_memory"
+                    ) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = _usage(record, result)
+        body["usage"] = _usage(record, result, retention)
         return body
 
     def opening(self) -> list[dict[str, Any]]:
@@ -185,7 +186,7 @@ class Shape:
             last["choices"][0]["token_ids"] = result.output_ids
         events: list[dict[str, Any] | str] = [last]
         if params.include_usage:
-            events.append(self.usage_chunk(record, result))
+            events.append(self.usage_chunk(record, result, params.retention))
         return [*events, "[DONE]"]
 
     def failed(self, error: NodeError) -> list[dict[str, Any] | str]:

@@ -88,7 +88,7 @@ def test_write_classes_are_stored_billed_and_refused_as_asked(node_factory: Node
     chat = gpt.chat.completions.create(model=model, max_tokens=4, temperature=0,
                                        messages=[{"role": "user", "content": "Why is the sea salty?"}],
                                        extra_body={"prompt_cache_retention": "24h"})
-    assert chat.usage is not None
+    assert chat.usage is not None and chat.usage.model_dump()["prompt_cache_retention"] == "24h"  # echoed as asked
     status, record = get(f"{node.base}/generation?id={chat.id}", gpt.api_key)
     assert (record["cached_write_tokens"], record["cached_write_24h_tokens"]) == (chat.usage.prompt_tokens,) * 2
     assert record["cached_write_24h_price_wei"] == "30" and "cached_write_1h_tokens" not in record
