@@ -3,6 +3,7 @@ replies must be equal, and the runner without reuse encodes every attachment of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from cache.arena import Scope
@@ -41,3 +42,31 @@ class MediaPair:
         assert on.output_ids == off.output_ids
         assert off.attachments_encoded == (0 if prompt.media is None else len(prompt.media.items))
         return on
+
+
+def counts(result: GenerationResult) -> tuple[int, int]:
+    """(attachments encoded, attachments not encoded) of a request."""
+    return result.attachments_encoded, result.attachments_reused
+
+
+def keep_swap_drop_repeat(pair: MediaPair, user: Callable[..., dict[str, Any]], question: str,
+                          follow_up: str) -> GenerationResult:
+    """A conversation about attachment 1 (`user(text, *seeds)` makes a user message holding the attachments of
+    those seeds), with reuse on and off at every turn (`MediaPair.turn`), and the encoder calls each turn makes:
+    the first encodes it; a follow-up restores past it; a history whose first message holds attachment 2 encodes
+    that one; one without the attachment encodes nothing; attachment 1 again in a new message is found in the
+    caller's encoding cache. Returns the follow-up's result; the scope then holds the encodings of 1 and 2."""
+    chat = [user(question, 1)]
+    first = pair.turn(chat)
+    assert counts(first) == (1, 0)
+    chat += [{"role": "assistant", "content": first.text}, {"role": "user", "content": follow_up}]
+    second = pair.turn(chat)
+    assert counts(second) == (0, 1)
+    assert counts(pair.turn([user(question, 2), *chat[1:]])) == (1, 0)
+    assert counts(pair.turn([{"role": "user", "content": question}, *chat[1:]])) == (0, 0)
+    again = pair.turn([*chat, {"role": "assistant", "content": second.text}, user("and this one?", 1)])
+    assert counts(again) == (0, 2)
+    cache = pair.on.reuse.encodings
+    assert cache is not None and cache.sealing
+    assert cache.counts(Scope("a", pair.loaded.model_id)).entries == 2
+    return second

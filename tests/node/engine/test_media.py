@@ -20,7 +20,7 @@ from node.engine.runner import GenerationRequest, ModelRunner, StepPlan
 from node.engine.sampling import SamplingParams
 from node.engine.synthetic import init_model
 from node.engine.synthetic_vlm import VISION_LANGUAGE
-from tests.node.engine.media_pairs import MediaPair
+from tests.node.engine.media_pairs import MediaPair, keep_swap_drop_repeat
 
 ARCHS = sorted(VISION_LANGUAGE)
 AGREEMENT = 1e-5
@@ -105,22 +105,8 @@ def test_reuse_on_equals_reuse_off_and_each_image_is_encoded_once(models: dict[s
     pair = MediaPair(models[arch])
     if arch == "vlm-qwen2":
         models[arch].model.model.rope_deltas = None  # the model's own forward (the test above) sets it
-    chat = [user("describe this", 1)]
-    first = pair.turn(chat)
-    assert (first.attachments_encoded, first.attachments_reused) == (1, 0)
-    chat += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and more?"}]
-    second = pair.turn(chat)
-    assert (second.attachments_encoded, second.attachments_reused) == (0, 1)
+    second = keep_swap_drop_repeat(pair, user, "describe this", "and more?")
     assert second.cached_read_tokens > 0
-    swapped = pair.turn([user("describe this", 2), *chat[1:]])
-    assert (swapped.attachments_encoded, swapped.attachments_reused) == (1, 0)
-    dropped = pair.turn([{"role": "user", "content": "describe this"}, *chat[1:]])
-    assert (dropped.attachments_encoded, dropped.attachments_reused) == (0, 0)
-    again = pair.turn([*chat, {"role": "assistant", "content": second.text}, user("and this one?", 1)])
-    assert (again.attachments_encoded, again.attachments_reused) == (0, 2)
-    cache = pair.on.reuse.encodings
-    assert cache is not None and cache.sealing
-    assert cache.counts(Scope("a", arch)).entries == 2  # images 1 and 2
     if arch == "vlm-qwen2":
         assert models[arch].model.model.rope_deltas is None  # positions passed per request, never left on the model
 

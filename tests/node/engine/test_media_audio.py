@@ -15,7 +15,6 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, DynamicCache
 
-from cache.arena import Scope
 from node.attachments import AUDIO_RATE
 from node.cli import AUDIO_LANGUAGE_FAMILIES, build_parser
 from node.engine.loader import LoadedModel, load_model
@@ -23,7 +22,7 @@ from node.engine.media import AUDIO, MEDIA_KEY, MediaFamily, MediaUnsupported, S
 from node.engine.synthetic import init_model
 from node.engine.synthetic_alm import AUDIO_LANGUAGE
 from node.errors import InvalidRequest
-from tests.node.engine.media_pairs import MediaPair
+from tests.node.engine.media_pairs import MediaPair, keep_swap_drop_repeat
 
 ARCH = "alm-audioflamingo3"
 AGREEMENT = 1e-5
@@ -128,22 +127,8 @@ def test_reuse_on_equals_reuse_off_and_each_clip_is_encoded_once(loaded: LoadedM
     once (later turns restore past it, or find its encoding), a swapped clip is encoded, a dropped one is not, and
     the same clip sent again in a new message is found in the caller's encoding cache."""
     pair = MediaPair(loaded)
-    chat = [user("what is this sound", 1)]
-    first = pair.turn(chat)
-    assert (first.attachments_encoded, first.attachments_reused) == (1, 0)
-    chat += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and its pitch?"}]
-    second = pair.turn(chat)
-    assert (second.attachments_encoded, second.attachments_reused) == (0, 1)
+    second = keep_swap_drop_repeat(pair, user, "what is this sound", "and its pitch?")
     assert second.cached_read_tokens > ROWS_PER_SECOND  # restored past the clip
-    swapped = pair.turn([user("what is this sound", 2), *chat[1:]])
-    assert (swapped.attachments_encoded, swapped.attachments_reused) == (1, 0)
-    dropped = pair.turn([{"role": "user", "content": "what is this sound"}, *chat[1:]])
-    assert (dropped.attachments_encoded, dropped.attachments_reused) == (0, 0)
-    again = pair.turn([*chat, {"role": "assistant", "content": second.text}, user("and this one?", 1)])
-    assert (again.attachments_encoded, again.attachments_reused) == (0, 2)
-    cache = pair.on.reuse.encodings
-    assert cache is not None and cache.sealing
-    assert cache.counts(Scope("a", ARCH)).entries == 2  # clips 1 and 2
 
 
 def test_another_caller_encodes_the_same_clip_again(loaded: LoadedModel) -> None:
