@@ -135,8 +135,8 @@ async def _respond(request: web.Request, caller: Caller, parsed: ImageRequest) -
         "created": int(time.time()),
         "data": [{"b64_json": base64.b64encode(png).decode("ascii")} for png in rendered.images],
         "output_format": "png",
-        "size": f"{render.width}x{render.height}",
-        "seed": render.seed,
+        "size": f"{render.request.width}x{render.request.height}",
+        "seed": render.request.seed,
         "usage": usage(counts, rendered),
     })
 

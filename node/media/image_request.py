@@ -15,7 +15,7 @@ from typing import Any
 
 from node.attachments import AttachmentLimits, decode_image, image_from_data_url
 from node.errors import invalid_request
-from node.media.pipeline import Reference
+from node.media.pipeline import ImageRequest, Reference
 
 MAX_IMAGES = 10
 """OpenAI's bound on `n`."""
@@ -41,21 +41,6 @@ class ImageOptions:
     model_id: str
     sizes: tuple[str, ...]
     default_size: str
-
-
-@dataclass(frozen=True, slots=True)
-class ImageRequest:
-    model: str
-    prompt: str
-    n: int
-    width: int
-    height: int
-    steps: int
-    seed: int
-    reference: Reference | None = None
-
-    def __repr__(self) -> str:  # never the prompt
-        return f"ImageRequest(n={self.n}, size={self.width}x{self.height}, steps={self.steps})"
 
 
 def parse_generation(body: Any, options: ImageOptions) -> ImageRequest:

@@ -59,10 +59,11 @@ class Reference:
 
 
 @dataclass(frozen=True, slots=True)
-class Render:
-    """One request's images: `n` of `width` x `height` pixels, from seeds `seed` to `seed + n - 1`."""
+class ImageRequest:
+    """What a request asks for (`image_request.py` parses it): `n` images of `width` x `height` pixels, from seeds
+    `seed` to `seed + n - 1`, of `prompt` (and of `reference`, for an edit)."""
 
-    scope: Scope
+    model: str
     prompt: str
     n: int
     width: int
@@ -70,12 +71,19 @@ class Render:
     steps: int
     seed: int
     reference: Reference | None = None
-    reuse: bool = True
-    """False: the caller keeps nothing (`retention: none`), so nothing is looked up or stored."""
 
     def __repr__(self) -> str:  # never the prompt
-        edit = self.reference is not None
-        return f"Render(n={self.n}, size={self.width}x{self.height}, steps={self.steps}, edit={edit})"
+        return f"ImageRequest(n={self.n}, size={self.width}x{self.height}, steps={self.steps})"
+
+
+@dataclass(frozen=True, slots=True)
+class Render:
+    """One request's job: what it asks for, for whom."""
+
+    scope: Scope
+    request: ImageRequest
+    reuse: bool = True
+    """False: the caller keeps nothing (`retention: none`), so nothing is looked up or stored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +151,11 @@ class ImagePipeline:
     def render(self, job: Render, cancelled: Callable[[], bool] = lambda: False) -> Rendered:
         started = time.perf_counter()
         cache = self.encodings if job.reuse else None
-        conditioning, conditionings = self._conditioning(job.scope, job.prompt, cache)
+        asked = job.request
+        conditioning, conditionings = self._conditioning(job.scope, asked.prompt, cache)
         negative, positive = conditioning[0:1], conditioning[1:2]
-        latents, references = (None, EncoderUse(0, 0)) if job.reference is None else self._reference_latents(
-            job.scope, job.reference, job.width, job.height, cache)
+        latents, references = (None, EncoderUse(0, 0)) if asked.reference is None else self._reference_latents(
+            job.scope, asked.reference, asked.width, asked.height, cache)
         encoded = time.perf_counter()
 
         def step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -155,18 +164,18 @@ class ImagePipeline:
             return tensors
 
         images = []
-        for index in range(job.n):
-            generator = torch.Generator(self.device).manual_seed(job.seed + index)
+        for index in range(asked.n):
+            generator = torch.Generator(self.device).manual_seed(asked.seed + index)
             common = {"prompt_embeds": positive, "negative_prompt_embeds": negative, "generator": generator,
-                      "num_inference_steps": job.steps, "guidance_scale": GUIDANCE_SCALE, "output_type": "pil",
+                      "num_inference_steps": asked.steps, "guidance_scale": GUIDANCE_SCALE, "output_type": "pil",
                       "callback_on_step_end": step_end}
             if latents is None:
-                out = self.text(height=job.height, width=job.width, **common)
+                out = self.text(height=asked.height, width=asked.width, **common)
             else:
                 out = self.edit(image=latents, strength=EDIT_STRENGTH, **common)
             images.append(_png(out.images[0]))
         encode_s = encoded - started if conditionings.encoded or references.encoded else 0.0
-        return Rendered(tuple(images), self.prompt_tokens(job.prompt), conditionings, references, encode_s,
+        return Rendered(tuple(images), self.prompt_tokens(asked.prompt), conditionings, references, encode_s,
                         time.perf_counter() - encoded)
 
     def _conditioning(self, scope: Scope, prompt: str, cache: EncodingCache | None

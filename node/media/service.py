@@ -52,9 +52,7 @@ class MediaService:
 
     def render(self, caller: Caller, request: ImageRequest) -> Render:
         """The job of `request` for `caller`: its encodings kept only when the caller's state is (`retention`)."""
-        return Render(Scope(caller=caller.name, model=self.model_id), request.prompt, request.n, request.width,
-                      request.height, request.steps, request.seed, request.reference,
-                      reuse=caller.retention == "keep")
+        return Render(Scope(caller=caller.name, model=self.model_id), request, reuse=caller.retention == "keep")
 
     def drop_caller(self, caller: str) -> None:
         """A caller removed from the config loses its encodings and their keys (a router's callers theirs too)."""

@@ -14,7 +14,7 @@ from PIL import Image
 from cache.encodings import EncodingCache
 from cache.scope import Scope
 from cache.sealing import Sealer
-from node.media.pipeline import EncoderUse, ImagePipeline, Reference, Render, RenderCancelled
+from node.media.pipeline import EncoderUse, ImagePipeline, ImageRequest, Reference, Render, RenderCancelled
 from tests.node.media.images import png
 
 ALICE = Scope(caller="alice", model="tiny")
@@ -39,7 +39,7 @@ def reference() -> Reference:
 
 
 def render(scope: Scope, seed: int, n: int = 1, edit: bool = False, prompt: str = "a red cat") -> Render:
-    return Render(scope, prompt, n, 64, 64, STEPS, seed, reference() if edit else None)
+    return Render(scope, ImageRequest("tiny", prompt, n, 64, 64, STEPS, seed, reference() if edit else None))
 
 
 @pytest.mark.parametrize("sealed", [False, True])
@@ -67,7 +67,7 @@ def test_edits_of_one_reference_encode_its_latents_once_and_give_the_bytes_reuse
     assert [out.images for out in outputs] == [plain.render(render(ALICE, seed, edit=True)).images
                                                for seed in (5, 6)]
     # Latents are taken at the output's size: another size encodes the reference again.
-    other = reusing.render(Render(ALICE, "a red cat", 1, 32, 32, STEPS, 5, reference()))
+    other = reusing.render(Render(ALICE, ImageRequest("tiny", "a red cat", 1, 32, 32, STEPS, 5, reference())))
     assert other.references == EncoderUse(1, 0)
     assert Image.open(io.BytesIO(other.images[0])).size == (32, 32)
 
@@ -90,7 +90,7 @@ def test_a_render_that_keeps_nothing_stores_nothing(diffusion_dir: Path) -> None
     cache = EncodingCache()
     reusing = load(diffusion_dir, cache)
     for _ in range(2):
-        job = Render(ALICE, "a red cat", 1, 64, 64, STEPS, 1, reuse=False)
+        job = Render(ALICE, ImageRequest("tiny", "a red cat", 1, 64, 64, STEPS, 1), reuse=False)
         assert reusing.render(job).conditionings == EncoderUse(1, 0)
     assert cache.describe()["entries"] == 0
 

@@ -10,7 +10,7 @@ import pytest
 
 from cache.scope import Scope
 from node.engine.caller_queue import QueueFullError
-from node.media.pipeline import EncoderUse, ImagePipeline, Render, RenderCancelled, Rendered
+from node.media.pipeline import EncoderUse, ImagePipeline, ImageRequest, Render, RenderCancelled, Rendered
 from node.media.worker import MediaWorker
 
 
@@ -24,12 +24,12 @@ class GatedPipeline:
 
     def render(self, job: Render, cancelled: Any) -> Rendered:
         self.gate.acquire()
-        self.ran.append(f"{job.scope.caller}{job.seed}")
+        self.ran.append(f"{job.scope.caller}{job.request.seed}")
         return Rendered((b"png",), 1, EncoderUse(1, 0), EncoderUse(0, 0), 0.0, 0.0)
 
 
 def job(caller: str, seed: int) -> Render:
-    return Render(Scope(caller=caller, model="tiny"), "p", 1, 64, 64, 1, seed)
+    return Render(Scope(caller=caller, model="tiny"), ImageRequest("tiny", "p", 1, 64, 64, 1, seed))
 
 
 async def test_callers_take_turns_a_full_queue_refuses_and_a_cancelled_job_leaves_it() -> None:
