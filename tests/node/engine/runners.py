@@ -10,15 +10,18 @@ pin the choice; the tests of the choice itself measure.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from cache.arena import Scope, SealCost, new_prefix_cache
 from cache.budget import CacheBudget
-from node.engine.loader import LoadedModel
+from node.engine.loader import LoadedModel, load_model
 from node.engine.runner import GenerationRequest, ModelRunner
 from node.engine.sampling import SamplingParams
+from node.engine.synthetic import init_model
 
 KEEP_ALL = SealCost(0.0, 1.0, 1, 1)
 """Every entry worth sealing, whatever this machine measures."""
@@ -44,3 +47,16 @@ def prompt_logits(runner: ModelRunner, scope: Scope, prompt: list[int]) -> tuple
     runner.release(seq)
     runner.reuse.store(seq.lane, scope, prompt, seq.cache, seq.snapshots)
     return logits, seq.restored
+
+
+def dense_or_hybrid(kind: str, small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The embedded dense test model ("dense"), or the small model of the `models init` architecture `kind`, as
+    model "m": what the engine tests parametrise over."""
+    if kind == "dense":
+        return load_model("m", small_model_dir)
+    return load_model("m", init_model(kind, tmp_path_factory.mktemp("hybrid") / "m", size="small"))
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """`n` seeded random token ids."""
+    return torch.randint(100, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -7,15 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from cache.arena import Scope, SealCost, StateArena, new_prefix_cache
 from cache.budget import CacheBudget
-from node.engine.loader import LoadedModel, load_model
+from node.engine.loader import LoadedModel
 from node.engine.runner import GenerationRequest, ModelRunner
 from node.engine.sampling import SamplingParams
-from node.engine.synthetic import init_model
-from tests.node.engine.runners import sealed_runner
+from tests.node.engine.runners import dense_or_hybrid, sealed_runner, tokens
 
 ALICE, BOB = Scope("alice", "m"), Scope("bob", "m")
 
@@ -23,13 +21,7 @@ ALICE, BOB = Scope("alice", "m"), Scope("bob", "m")
 @pytest.fixture(scope="module", params=["dense", "granite-moe-hybrid"])
 def loaded(request: pytest.FixtureRequest, small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> LoadedModel:
-    if request.param == "dense":
-        return load_model("m", small_model_dir)
-    return load_model("m", init_model(request.param, tmp_path_factory.mktemp("hybrid") / "m", size="small"))
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    return torch.randint(100, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return dense_or_hybrid(request.param, small_model_dir, tmp_path_factory)
 
 
 def sealing_runner(loaded: LoadedModel, **kwargs: Any) -> ModelRunner:

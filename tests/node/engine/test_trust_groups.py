@@ -6,15 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from cache.arena import Scope
 from cache.scope import SharedPrefix, group_scope
-from node.engine.loader import LoadedModel, load_model
+from node.engine.loader import LoadedModel
 from node.engine.runner import GenerationRequest, ModelRunner
 from node.engine.sampling import SamplingParams
-from node.engine.synthetic import init_model
-from tests.node.engine.runners import sealed_runner
+from tests.node.engine.runners import dense_or_hybrid, sealed_runner, tokens
 
 A, B, C = Scope("a", "m"), Scope("b", "m"), Scope("c", "m")
 GROUP = group_scope("team", "m")
@@ -25,13 +23,7 @@ SHARED = 100
 @pytest.fixture(scope="module", params=["dense", "granite-moe-hybrid"])
 def loaded(request: pytest.FixtureRequest, small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> LoadedModel:
-    if request.param == "dense":
-        return load_model("m", small_model_dir)
-    return load_model("m", init_model(request.param, tmp_path_factory.mktemp("hybrid") / "m", size="small"))
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    return torch.randint(100, 30000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return dense_or_hybrid(request.param, small_model_dir, tmp_path_factory)
 
 
 PREFIX = tokens(1, SHARED)
