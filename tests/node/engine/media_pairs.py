@@ -6,9 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from transformers import DynamicCache
+
 from cache.arena import Scope
 from node.attachments import AttachmentLimits
 from node.engine.loader import LoadedModel
+from node.engine.media import SequenceMedia
 from node.engine.runner import GenerationRequest, GenerationResult, ModelRunner
 from node.engine.sampling import SamplingParams
 from node.openai_schema import ChatBounds, parse_chat
@@ -70,3 +74,15 @@ def keep_swap_drop_repeat(pair: MediaPair, user: Callable[..., dict[str, Any]], 
     assert cache is not None and cache.sealing
     assert cache.counts(Scope("a", pair.loaded.model_id)).entries == 2
     return second
+
+
+@torch.inference_mode()
+def chunked_logits(model: Any, held: SequenceMedia, ids: list[int], cuts: list[int]) -> tuple[torch.Tensor, Any]:
+    """Every position's logits of `ids` prefilled in chunks ending at `cuts`, each on `held`'s inputs (the
+    attachments' encodings in their placeholders' places), and the cache they filled."""
+    cache, start, logits = DynamicCache(config=model.config), 0, []
+    for stop in cuts:
+        out = model(**held.inputs(model, ids[start:stop], start), cache=cache, use_cache=True)
+        logits.append(out.logits[0].float())
+        start = stop
+    return torch.cat(logits), cache

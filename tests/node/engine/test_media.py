@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoProcessor, DynamicCache
+from transformers import AutoProcessor
 
 from cache.arena import Scope
 from node.engine.loader import LoadedModel, load_model
@@ -20,7 +20,7 @@ from node.engine.runner import GenerationRequest, ModelRunner, StepPlan
 from node.engine.sampling import SamplingParams
 from node.engine.synthetic import init_model
 from node.engine.synthetic_vlm import VISION_LANGUAGE
-from tests.node.engine.media_pairs import MediaPair, keep_swap_drop_repeat
+from tests.node.engine.media_pairs import MediaPair, chunked_logits, keep_swap_drop_repeat
 
 ARCHS = sorted(VISION_LANGUAGE)
 AGREEMENT = 1e-5
@@ -76,13 +76,8 @@ def test_chunks_on_input_embeddings_give_the_models_own_forward(models: dict[str
         cuts = media.chunk_stops(cuts)
         if media.whole:
             assert all(media.inside(cut) is None for cut in cuts)
-        cache, start, logits = DynamicCache(config=model.config), 0, []
-        with torch.inference_mode():
-            for stop in cuts:
-                out = model(**held.inputs(model, ids[start:stop], start), cache=cache, use_cache=True)
-                logits.append(out.logits[0].float())
-                start = stop
-        assert float((torch.cat(logits) - reference).abs().max()) <= AGREEMENT * scale
+        logits, cache = chunked_logits(model, held, ids, cuts)
+        assert float((logits - reference).abs().max()) <= AGREEMENT * scale
     following = int(reference[-1].argmax())
     more = {name: value for name, value in whole.items() if name != "attention_mask"}
     for name in ("input_ids", "token_type_ids", "mm_token_type_ids"):

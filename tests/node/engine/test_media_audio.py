@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoProcessor, DynamicCache
+from transformers import AutoProcessor
 
 from node.attachments import AUDIO_RATE
 from node.cli import AUDIO_LANGUAGE_FAMILIES, build_parser
@@ -22,7 +22,7 @@ from node.engine.media import AUDIO, MEDIA_KEY, MediaFamily, MediaUnsupported, S
 from node.engine.synthetic import init_model
 from node.engine.synthetic_alm import AUDIO_LANGUAGE
 from node.errors import InvalidRequest
-from tests.node.engine.media_pairs import MediaPair, keep_swap_drop_repeat
+from tests.node.engine.media_pairs import MediaPair, chunked_logits, keep_swap_drop_repeat
 
 ARCH = "alm-audioflamingo3"
 AGREEMENT = 1e-5
@@ -105,13 +105,8 @@ def test_chunks_on_input_embeddings_give_the_models_own_forward(loaded: LoadedMo
     held = SequenceMedia(media, {0: family.encode(expanded.inputs)})
     scale = float(reference.abs().max())
     for cuts in ([len(ids)], [item.start + 1, len(ids)], [2, item.start + 30, item.end - 1, len(ids)]):
-        cache, start, logits = DynamicCache(config=model.config), 0, []
-        with torch.inference_mode():
-            for stop in cuts:
-                out = model(**held.inputs(model, ids[start:stop], start), cache=cache, use_cache=True)
-                logits.append(out.logits[0].float())
-                start = stop
-        assert float((torch.cat(logits) - reference).abs().max()) <= AGREEMENT * scale
+        logits, cache = chunked_logits(model, held, ids, cuts)
+        assert float((logits - reference).abs().max()) <= AGREEMENT * scale
     following = int(reference[-1].argmax())
     more = {**whole, "input_ids": torch.cat([whole["input_ids"], torch.tensor([[following]])], dim=1)}
     more.pop("attention_mask")
