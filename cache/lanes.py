@@ -59,15 +59,33 @@ class BufferPool:
 
     def __init__(self) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
+        self._home: dict[int, torch.Tensor] = {}
+        """Per slot, the lane's rows of the lanes' slab (`Lanes.reserve(contiguous=True)`), where its buffer
+        returns whenever a request fits them."""
+
+    def settle(self, slot: int, home: torch.Tensor) -> None:
+        """Make `home` (this lane's rows of a slab, zeroed) slot's buffer from now on, wherever a request fits it."""
+        held = self._buffers.get(slot)
+        if held is not None and held is not home:
+            with torch.inference_mode():
+                held.zero_()
+        self._home[slot] = self._buffers[slot] = home
 
     def take(self, slot: int, like: torch.Tensor, shape: tuple[int, ...], keep: int = 0) -> torch.Tensor:
-        """A tensor of `shape` (seq on dim 2) with `like`'s dtype and device, backed by slot's buffer.
+        """A tensor of `shape` (seq on dim 2) with `like`'s dtype and device, backed by slot's buffer: its home in
+        the slab where it fits there.
 
         The first `keep` tokens of the slot's previous contents survive a reallocation.
         """
-        held = self._buffers.get(slot)
-        if (held is None or held.dtype != like.dtype or held.device != like.device
-                or held.shape[:2] + held.shape[3:] != shape[:2] + shape[3:] or held.shape[2] < shape[2]):
+        held, home = self._buffers.get(slot), self._home.get(slot)
+        if home is not None and held is not home and _fits(home, like, shape):
+            if keep and held is not None:
+                home[:, :, :keep].copy_(held[:, :, :keep])
+            if held is not None:
+                with torch.inference_mode():
+                    held.zero_()
+            held = self._buffers[slot] = home
+        if held is None or not _fits(held, like, shape):
             rows = -(-shape[2] // ROWS_GRAIN) * ROWS_GRAIN
             fresh = like.new_empty((*shape[:2], rows, *shape[3:]))
             for hook in FRESH_BUFFER_HOOKS if fresh.device.type == "cpu" else ():  # host pages only
@@ -109,6 +127,12 @@ class BufferPool:
         return max(start, end)
 
 
+def _fits(buffer: torch.Tensor, like: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether `buffer` holds a tensor of `shape` (rows on dim 2) of `like`'s dtype and device."""
+    return (buffer.dtype == like.dtype and buffer.device == like.device
+            and buffer.shape[:2] + buffer.shape[3:] == shape[:2] + shape[3:] and buffer.shape[2] >= shape[2])
+
+
 def rows_per_lane(budget: int, lanes: int, row_bytes: int, context: int) -> int:
     """Token rows each of `lanes` lanes gets from `budget` bytes in all, rows of `row_bytes` each: at most
     `context`, rounded down to whole `ROWS_GRAIN`s (0 when not even one grain fits)."""
@@ -133,6 +157,10 @@ class Lanes:
         """Per lane, rows of its buffers written since they were last wiped."""
         self.rows = 0
         """Token rows each lane's buffers were given at start (`reserve`)."""
+        self.slabs: dict[int, torch.Tensor] = {}
+        """Per buffer slot, `[lanes + 1, kv_heads, rows, head_dim]`, whose index i holds lane i's buffer and the last
+        is scratch, when the lanes were reserved `contiguous` (else empty): what a static decode step reads and
+        writes at fixed addresses (`node/engine/static_decode.py`)."""
 
     def new_cache(self, lane: int, capacity: int, adopt: int = 0) -> tuple[DynamicCache, int]:
         """A working cache sized for `capacity` tokens (prompt plus the reply's budget), in `lane`'s buffers.
@@ -142,7 +170,8 @@ class Lanes:
         cache left in the buffers; returns the cache and the tokens it starts with (`adopt` or 0).
         """
         last = self._last.pop(lane, None)
-        if last is not None and all(isinstance(layer, GrowableKVLayer) for layer in last.layers):
+        if (last is not None and all(isinstance(layer, GrowableKVLayer) for layer in last.layers)
+                and not self._away(lane, last, capacity)):
             # The last working cache itself, cut back (to nothing without `adopt`): no layer objects or buffer
             # views to rebuild.
             if all(layer.truncate(adopt, capacity) for layer in last.layers):  # type: ignore[union-attr]
@@ -157,6 +186,14 @@ class Lanes:
             adopt = 0
         self._last[lane] = cache
         return cache, adopt
+
+    def _away(self, lane: int, cache: DynamicCache, capacity: int) -> bool:
+        """Whether `cache`, the lane's last, outgrew the lane's rows of the slabs while `capacity` fits them again:
+        a fresh cache then takes the rows home (`BufferPool.take`)."""
+        if not self.slabs or capacity > self.rows:
+            return False
+        buffer = cache.layers[0]._key_buffer  # type: ignore[union-attr]
+        return buffer is not None and buffer.data_ptr() != self.slabs[0][lane].data_ptr()
 
     def _fresh(self, lane: int, capacity: int) -> DynamicCache:
         return self._build(capacity, self._pools.setdefault(lane, BufferPool()))
@@ -195,11 +232,14 @@ class Lanes:
                 kept = keep.get(lane, 0)
                 self._written[lane] = max(kept, self.wipe(lane, kept, written, stop))
 
-    def reserve(self, lanes: int, budget: int, context: int, probe: Callable[[DynamicCache], object]) -> int:
+    def reserve(self, lanes: int, budget: int, context: int, probe: Callable[[DynamicCache], object],
+                contiguous: bool = False) -> int:
         """At start: give lanes `[0, lanes)` buffers of `rows_per_lane` token rows, written with zeros. Their
         shapes (heads, head dim, dtype per layer) come from lane 0's, learnt from `probe` (one token run in a
         working cache) if lane 0 holds none yet. Returns the rows each lane holds (0: nothing reserved; lanes
-        then allocate when first used). Lanes still grow past it when a request needs more."""
+        then allocate when first used). Lanes still grow past it when a request needs more. `contiguous`: each
+        slot's buffers of all lanes are one tensor (`slabs`), with one lane more as scratch; a lane that outgrew
+        its rows returns to them when a request fits again."""
         if lanes <= 0 or budget <= 0:
             return 0
         if not self.row_bytes(0):
@@ -213,8 +253,19 @@ class Lanes:
         rows = rows_per_lane(budget, lanes, row_bytes, context)
         if rows:
             model = self._pools[0]
+            if contiguous:
+                self.slabs = {slot: buffer.new_zeros((lanes + 1, buffer.shape[1], rows, *buffer.shape[3:]))
+                              for slot, buffer in model._buffers.items()}
+                for slab in self.slabs.values():
+                    for hook in FRESH_BUFFER_HOOKS if slab.device.type == "cpu" else ():  # host pages only
+                        hook(slab.data_ptr(), slab.numel() * slab.element_size())
             for lane in range(lanes):
-                self._pools.setdefault(lane, BufferPool()).reserve(model, rows)
+                pool = self._pools.setdefault(lane, BufferPool())
+                if contiguous:
+                    for slot, slab in self.slabs.items():
+                        pool.settle(slot, slab[lane:lane + 1])
+                else:
+                    pool.reserve(model, rows)
                 self._last.pop(lane, None)  # its views may be of buffers just replaced
         self.rows = rows
         return rows

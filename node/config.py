@@ -74,10 +74,12 @@ class Limits:
     """Prompt tokens per prefill chunk: a request arriving while a long prompt prefills waits at most about
     one chunk per prefilling request before its own prompt's chunks run. None: the device's
     (`node.engine.device.PREFILL_CHUNKS`: 256 on a CPU, 2048 on a GPU)."""
-    lane_bytes: int = 2 * GIB
+    lane_bytes: int | None = None
     """Working memory given to the `max_running` lanes at start, in all, per model (`ReuseManager.reserve_lanes`):
     written once then, so the first requests after a start do not fault fresh pages in on their time to first
-    token. 0: lanes are allocated when first used. Lanes grow past it when a request needs more."""
+    token. 0: lanes are allocated when first used. Lanes grow past it when a request needs more. None: the
+    device's (`node.engine.device.LANE_BYTES`: 2 GiB on a CPU, 8 GiB on a GPU within a quarter of its free
+    memory)."""
     max_messages: int = 4096
     """Messages in one chat request at most, checked before they are rendered. Twice the 2,048 that Azure
     OpenAI's chat API takes, which agents and their clients already live within; a conversation this long

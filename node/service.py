@@ -31,7 +31,7 @@ from cache.summary import ChatForms, completion_prefix_form
 from cache.ttl import AUTOMATIC, WritePlan
 from node.config import Limits
 from node.engine.chat_template import BOUNDARY_MESSAGES, ChatTemplateError, RenderedChat, image_marker, render_chat
-from node.engine.device import DevicePlan, FreeMemory, host_copy_mode, plan_device, prefill_chunk
+from node.engine.device import DevicePlan, FreeMemory, host_copy_mode, lane_bytes, plan_device, prefill_chunk
 from node.engine.loader import LoadedModel
 from node.engine.media import MediaUnsupported, PromptMedia
 from node.engine.runner import NO_FORMS, GenerationRequest, ModelRunner, PrefixForms
@@ -104,7 +104,7 @@ class ModelService:
             assert isinstance(prefix_cache.arena, StateArena)
             prefix_cache.arena.host_copies = HostCopies(pinned=copies[0] == "pinned")
         runner = ModelRunner(loaded, prefix_cache, prefill_chunk=chunk, policy=policy)
-        runner.reuse.reserve_lanes(limits.max_running, limits.lane_bytes)
+        runner.reserve_lanes(limits.max_running, lane_bytes(loaded.device, limits.lane_bytes, free_memory))
         arena = runner.reuse.arena  # None with reuse off: no stored state, so no hot tier
         plan = plan_device(loaded.device, device_bytes if arena is not None else 0,
                            arena.plaintext_bytes if arena is not None else 0, free_memory, nvml, copies,

@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check of issue 38, in one run under 8 minutes on one H200: the reuse matrix and the batching tests on
-# CUDA (float32, TENZRO_TEST_DEVICE=cuda), then `bench reuse`, `bench load` and `bench seal` on the 1B Llama shape
-# (`models init --size 1b`, bf16, the node's default on CUDA), then per family how many of the matrix's requests
-# agree token for token with reuse on and off in bfloat16 (`scripts/dtype_agreement.py`). Writes device_check.log (every step's output),
-# device_check.json (each step's exit status and seconds) and the benches' JSON under $OUT.
+# The GPU check of issue 38, in one run under 8 minutes on one H200:
+# - the reuse matrix, the batching tests and the static decode tests on CUDA (float32, TENZRO_TEST_DEVICE=cuda);
+# - `bench reuse`, `bench load` and `bench seal` on the 1B Llama shape (`models init --size 1b`, bf16, the node's
+#   default on CUDA);
+# - per family, how many of the matrix's requests agree token for token with reuse on and off in bfloat16
+#   (`scripts/dtype_agreement.py`);
+# - `bench load` at 32 clients again with decode steps eager (TENZRO_CUDA_GRAPHS=off): the A/B of the steps replayed
+#   as CUDA graphs (`node/engine/static_decode.py`);
+# - the cross-caller timing audit on the 1B shape (`tenzro audit timing`: caller B's TTFT must not tell whether
+#   caller A just sent the prompt, while A's own reuse is detected).
+# Writes device_check.log (every step's output), device_check.json (each step's exit status and seconds) and the
+# benches' JSON under $OUT.
 #
 # Meant for a machine without network whose Python already has torch: wheels it lacks (cryptography, openai,
 # pytest-asyncio, a matching transformers: ../shared/GPU-NOTES.md) are carried in .whl/ and installed into a
@@ -74,7 +81,8 @@ if ((${#carried[@]})); then
 fi
 step versions 20 "$python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 step reuse-matrix 110 "$python" -m pytest -q -p no:cacheprovider -n 8 tests/node/test_reuse_matrix.py
-step batching 55 "$python" -m pytest -q -p no:cacheprovider -n 4 tests/node/engine/test_batching.py
+step batching 55 "$python" -m pytest -q -p no:cacheprovider -n 4 tests/node/engine/test_batching.py \
+  tests/node/engine/test_static_decode.py
 step model 45 "$python" -m node models init --arch dense --size "$size" "$model"
 step bench-reuse 60 "$python" -m node bench reuse --device "$device" --lengths 1024,4096,16384 --runs 3 \
   --model "$model" --out "$out/reuse-$size.json"
@@ -84,6 +92,10 @@ step bench-seal 50 "$python" -m node bench seal --device "$device" --lengths 102
   --model "$model" --out "$out/seal-$size.json"
 step bf16-agreement 60 "$python" scripts/dtype_agreement.py --device "$device" --dtype bfloat16 \
   --out "$out/bf16-agreement.json"
+step bench-load-eager 40 env TENZRO_CUDA_GRAPHS=off "$python" -m node bench load --device "$device" --clients 32 \
+  --duration 12 --model "$model" --json "$out/load-$size-eager.json"
+step audit-timing 70 "$python" -m node audit timing --device "$device" --model "$model" --samples 30 --length 4096 \
+  --seed 38 --out "$out/audit-timing.json"
 
 if [[ -z "$dry" ]]; then
   joined=$(IFS=,; printf '%s' "${steps[*]}")

@@ -55,6 +55,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from cache.working_cache import GrowableKVLayer
 from node.engine.cpu_kernels import CpuKernels
 from node.engine.kernel_operands import RowsAt, decode_work_floats
+from node.engine.static_decode import StaticDecode
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 """SDPA's CPU flash kernel, which also returns each query's log-sum-exp (what merging two parts needs)."""
@@ -367,6 +368,14 @@ class BatchedDecode:
         self._eager: dict[type, Callable[..., Any]] = {}
         self.shared_rows = 0
         """Row-layers whose shared rows were attended once for their group, over all steps."""
+        self.static: StaticDecode | None = None
+        """The steps over the lanes' slabs (`static_decode.py`), once the runner laid its lanes out so (`go_static`):
+        a step whose rows are all there runs there."""
+
+    def go_static(self, slabs: dict[int, torch.Tensor], capture: bool) -> StaticDecode:
+        """Run steps over the lanes' slabs (`Lanes.slabs`) from now on, captured as CUDA graphs where `capture`."""
+        self.static = StaticDecode(self._model, slabs, self._configs, self._implementations, self._inner, capture)
+        return self.static
 
     def _scratch(self, floats: int) -> torch.Tensor:
         if self._work.numel() < floats:

@@ -41,6 +41,16 @@ token of prefill costs enough that 256 keeps that wait short. On a GPU a 256-tok
 chip's matrix units, so each chunk's time is kernel launches, not arithmetic; 2048 rows fill them while one chunk
 still takes a fraction of a CPU chunk's time."""
 
+LANE_BYTES: dict[str, int] = {"cpu": 2 << 30, "cuda": 8 << 30}
+"""Working memory of the lanes at start when `limits.lane_bytes` is not set, per device type (others take the
+CPU's). On a GPU the lanes are also the slabs that decode steps replay over as CUDA graphs (`static_decode.py`): a
+sequence that outgrows its lane's rows steps eagerly, so the rows should cover the conversations served (8 GiB
+gives the 1B shape's 32 lanes 4,096 rows each). Never more than `LANE_SHARE` of the device memory free after the
+model loaded."""
+LANE_SHARE = 0.25
+"""The share of free device memory the lanes' default takes at most: the hot tier, prefill activations and the
+graphs' pool need the rest (`DEVICE_SHARE`)."""
+
 CC_ON = "confidential computing is on: the driver refuses pinned host memory; copies go through its bounce buffers"
 CC_OFF = "confidential computing is off: staging host memory is pinned"
 
@@ -72,6 +82,18 @@ def prefill_chunk(device: torch.device, configured: int | None) -> int:
     if configured is not None:
         return configured
     return PREFILL_CHUNKS.get(device.type, PREFILL_CHUNKS["cpu"])
+
+
+def lane_bytes(device: torch.device, configured: int | None, free_memory: FreeMemory | None = None) -> int:
+    """`limits.lane_bytes` when set, else the device type's (`LANE_BYTES`; on CUDA at most `LANE_SHARE` of the free
+    memory, asked of `free_memory` or `torch.cuda.mem_get_info`)."""
+    if configured is not None:
+        return configured
+    default = LANE_BYTES.get(device.type, LANE_BYTES["cpu"])
+    if device.type != "cuda":
+        return default
+    free, _ = (free_memory or functools.partial(torch.cuda.mem_get_info, device))()
+    return min(default, int(free * LANE_SHARE))
 
 
 def host_copy_mode(device: torch.device, nvml: NvmlLoader = load_pynvml) -> tuple[CopyMode, str]:

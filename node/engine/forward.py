@@ -28,6 +28,7 @@ several sequences' steps run as one forward (`batching`, `batches`) is the forwa
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from node.engine import mamba1, mamba2
 from node.engine.batch_forward import BatchedDecode, Shared, batch_blocker, batchable
@@ -75,6 +77,9 @@ class Forward:
     """Why decode steps of several sequences cannot run as one forward on this model (None: they can)."""
     media: MediaFamily | None = None
     """The model's image processor and tower (`media.py`), for a vision-language model that takes images."""
+    static: str | None = "decode steps attend each row's own cache"
+    """Why decode steps do not run over the lanes' slabs as static, captured steps (`static_decode.py`); None: they
+    do, once the runner lays its lanes out so (`ModelRunner.reserve_lanes`)."""
 
     def batches(self, caches: Sequence[DynamicCache]) -> bool:
         """Whether one step of the sequences holding `caches` runs as one batched forward."""
@@ -125,6 +130,10 @@ class Forward:
         where they `batches` (`shared()` gives its groups of shared rows, which only a CPU step attends once: off the
         CPU they are not asked for, `batch_forward`'s portable step), else one forward each. Returns each row's
         prediction and whether they ran as one forward."""
+        placed = batched.static.place(caches) if batched.static is not None else None
+        if placed is not None:
+            assert batched.static is not None
+            return [Logits(row) for row in batched.static.step(tokens, positions, placed)], len(caches) > 1
         if self.batches(caches):
             return self.step(batched, tokens, positions, caches, self._groups(shared), greedy), True
         return [self.prefill([token], position, cache) for token, position, cache in zip(tokens, positions, caches,
@@ -137,7 +146,12 @@ class Forward:
         alone when it is stored)."""
         if not self.batches(caches):
             return False
-        batched.step(tokens, positions, caches, self.device, self._groups(shared), logits=False)
+        placed = batched.static.place(caches) if batched.static is not None else None
+        if placed is not None:
+            assert batched.static is not None
+            batched.static.step(tokens, positions, placed)
+        else:
+            batched.step(tokens, positions, caches, self.device, self._groups(shared), logits=False)
         return True
 
     def _groups(self, shared: Callable[[], Sequence[Shared]]) -> Sequence[Shared]:
@@ -180,10 +194,28 @@ def choose_forward(model: Any, device: torch.device, dtype: torch.dtype, model_i
     decoder, reason = _cpu_decoder(model, found) if device.type == "cpu" else (
         None, f"the model runs on {device.type}")
     forward = Forward("native-cpu" if decoder is not None else "library", reason, model, device, last_row=last_row,
-                      decoder=decoder, decode_kernels=decode_kernels, batching=batch_blocker(model), media=media)
+                      decoder=decoder, decode_kernels=decode_kernels, batching=batch_blocker(model), media=media,
+                      static=static_blocker(model, device))
     log.info("model %s: %s forward (%s); decode attention %s", Safe(model_id), Safe(forward.backend), Safe(reason),
              Safe(forward.decode_attention))
     return forward
+
+
+def static_blocker(model: Any, device: torch.device) -> str | None:
+    """Why `model`'s decode steps on `device` do not run as static steps over the lanes' slabs, replayed as CUDA
+    graphs (`static_decode.py`), or None where they do: on CUDA, every layer plain full attention by SDPA, unless
+    TENZRO_CUDA_GRAPHS=off (the A/B of `scripts/device_check.sh`)."""
+    if device.type != "cuda":
+        return f"on {device.type} a decode step attends each row's own cache: graphs are for a GPU's launches"
+    if os.environ.get("TENZRO_CUDA_GRAPHS", "").lower() == "off":
+        return "switched off (TENZRO_CUDA_GRAPHS=off)"
+    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
+        return "layers other than full attention (sliding-window or recurrent) keep state outside the lanes' slabs"
+    implementations = {getattr(m.config, "_attn_implementation", None) for m in model.modules()
+                       if getattr(m, "layer_idx", None) is not None and hasattr(m, "config")}
+    if implementations - {"sdpa"}:
+        return f"attention by {', '.join(sorted(map(str, implementations - {'sdpa'})))}, not SDPA"
+    return None
 
 
 def available_memory() -> int | None:

@@ -122,18 +122,18 @@ class ReuseManager:
             self.encodings = EncodingCache(sealer, host_copies=self.arena.host_copies)
         self._encoder = loaded.media.encoder if loaded.media is not None else ""
 
-    def reserve_lanes(self, lanes: int, budget: int) -> int:
+    def reserve_lanes(self, lanes: int, budget: int, contiguous: bool = False) -> int:
         """At start: give `lanes` lanes working buffers of as many token rows as `budget` bytes allow in all (whole
         grains of `ROWS_GRAIN`, at most the model's context), written with zeros (`Lanes.reserve`). The buffers
         outlive requests, as the hot working cache in them does; a lane's first request would otherwise fault
         their pages in on its time to first token (BATCHING.md, "Memory: lanes"). Returns the rows each lane
         holds (0: nothing reserved; lanes then allocate when first used). Lanes still grow past it when a
-        request needs more."""
+        request needs more. `contiguous`: as one slab per layer (`Lanes.slabs`), which static decode steps read."""
         if self.lanes is None:
             return 0
         forward = self.loaded.forward
         return self.lanes.reserve(lanes, budget, self.loaded.context_length,
-                                  lambda cache: forward.prefill([0], 0, cache))
+                                  lambda cache: forward.prefill([0], 0, cache), contiguous=contiguous)
 
     @property
     def lane_rows(self) -> int:

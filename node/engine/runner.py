@@ -61,19 +61,38 @@ class ModelRunner:
         self.fed_together = 0
         """Ended requests whose last token ran in one forward with others' (`feed_last`)."""
 
+    def reserve_lanes(self, lanes: int, budget: int, static: bool | None = None) -> int:
+        """At start: reserve the lanes' working buffers (`ReuseManager.reserve_lanes`); returns their rows. Where
+        decode steps run static (`static`; None: where the forward says, `Forward.static`), the lanes are laid out
+        as one slab per layer and steps whose rows are all there run over it (`static_decode.py`), captured as CUDA
+        graphs on a GPU."""
+        static = self.forward.static is None if static is None else static
+        rows = self.reuse.reserve_lanes(lanes, budget, contiguous=static)
+        slabs = self.reuse.lanes.slabs if self.reuse.lanes is not None else {}
+        if static and slabs:
+            self._batched.go_static(slabs, capture=self.forward.device.type == "cuda")
+        return rows
+
     def engine_config(self) -> dict[str, Any]:
         """For anyone (`GET /v1/node`): whether decode steps are batched (and why not) and how; fixed at start,
         so that it says nothing of other callers' traffic."""
         return {"batched_decode": self.forward.batching is None,
                 "reason": self.forward.batching or "every layer is attention or recurrent",
                 "prefill_chunk": self.prefill_chunk, "decode_attention": self.forward.decode_attention,
-                "reserved_lane_rows": self.reuse.lane_rows}
+                "reserved_lane_rows": self.reuse.lane_rows, "static_decode": self._static_config()}
+
+    def _static_config(self) -> dict[str, Any]:
+        static = self._batched.static
+        if static is not None:
+            return static.describe()
+        return {"graphs": False, "reason": self.forward.static or "no lane rows were reserved to lay out as slabs"}
 
     def engine_state(self) -> dict[str, Any]:
         """For operators (`GET /v1/node/state`): `engine_config` and how decode steps ran so far, which counts
         every caller's tokens."""
         return {**self.engine_config(), "decode_steps": self.decode_steps, "batched_steps": self.batched_steps,
                 "largest_batch": self.largest_batch, "shared_rows": self._batched.shared_rows,
+                "static_steps": self._batched.static.steps if self._batched.static is not None else 0,
                 "fed_together": self.fed_together}
 
     def pick_lane(self, scope: Scope, lanes: int) -> int:

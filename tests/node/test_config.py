@@ -46,7 +46,7 @@ def test_config_rejects_unknown_keys_and_bad_values() -> None:
         parse_config({"cache": {"node_bytes": -1}})
     parsed = parse_config({"cache": {"node_bytes": 10, "caller_bytes": 5}, "limits": {"max_queue": 3}})
     assert (parsed.cache.node_bytes, parsed.cache.caller_bytes, parsed.limits.max_queue) == (10, 5, 3)
-    assert parsed.limits.lane_bytes == 2 * 1024**3  # the default
+    assert parsed.limits.lane_bytes is None  # the device's (node.engine.device.LANE_BYTES)
     assert parse_config({"limits": {"lane_bytes": 0}}).limits.lane_bytes == 0
     with pytest.raises(ConfigError, match="limits.lane_bytes"):
         parse_config({"limits": {"lane_bytes": -1}})

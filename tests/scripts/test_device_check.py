@@ -43,7 +43,8 @@ def test_a_dry_run_prints_the_commands_of_the_check(tmp_path: Path, wheels: list
         "python3 -c import torch, transformers; print('torch', torch.__version__, 'transformers', "
         "transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())",
         "python3 -m pytest -q -p no:cacheprovider -n 8 tests/node/test_reuse_matrix.py",
-        "python3 -m pytest -q -p no:cacheprovider -n 4 tests/node/engine/test_batching.py",
+        "python3 -m pytest -q -p no:cacheprovider -n 4 tests/node/engine/test_batching.py "
+        "tests/node/engine/test_static_decode.py",
         f"python3 -m node models init --arch dense --size 1b {model}",
         f"python3 -m node bench reuse --device cuda --lengths 1024,4096,16384 --runs 3 --model {model} "
         f"--out {out}/reuse-1b.json",
@@ -52,6 +53,10 @@ def test_a_dry_run_prints_the_commands_of_the_check(tmp_path: Path, wheels: list
         f"python3 -m node bench seal --device cuda --lengths 1024,4096,16384 --runs 3 --model {model} "
         f"--out {out}/seal-1b.json",
         f"python3 scripts/dtype_agreement.py --device cuda --dtype bfloat16 --out {out}/bf16-agreement.json",
+        f"env TENZRO_CUDA_GRAPHS=off python3 -m node bench load --device cuda --clients 32 --duration 12 "
+        f"--model {model} --json {out}/load-1b-eager.json",
+        f"python3 -m node audit timing --device cuda --model {model} --samples 30 --length 4096 --seed 38 "
+        f"--out {out}/audit-timing.json",
     ]
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
 
@@ -71,7 +76,8 @@ def test_a_failed_or_overlong_step_is_recorded_and_the_rest_still_run(tmp_path: 
     report = json.loads((tmp_path / "out" / "device_check.json").read_text())
     assert [(step["step"], step["exit"]) for step in report["steps"]] == [
         ("machine", 0), ("versions", 0), ("reuse-matrix", 0), ("batching", 3), ("model", 0), ("bench-reuse", 0),
-        ("bench-load", 124), ("bench-seal", 124), ("bf16-agreement", 124)]
+        ("bench-load", 124), ("bench-seal", 124), ("bf16-agreement", 124),
+        ("bench-load-eager", 124), ("audit-timing", 124)]
     assert (report["device"], report["size"], report["budget_s"]) == ("cuda", "1b", 3) and report["seconds"] <= 4
     log = (tmp_path / "out" / "device_check.log").read_text()
     assert "ran -m pytest -q -p no:cacheprovider -n 4 tests/node/engine/test_batching.py" in log

@@ -20,7 +20,7 @@ from cache.sealed_payload import open_payload, seal_payload
 from cache.sealing import Place
 from node.config import Limits
 from node.engine import reuse as reuse_module
-from node.engine.device import CC_OFF, CC_ON, DevicePlan, plan_device, prefill_chunk
+from node.engine.device import CC_OFF, CC_ON, DevicePlan, lane_bytes, plan_device, prefill_chunk
 from node.engine.loader import LoadedModel, load_model
 from node.service import ModelService
 
@@ -84,6 +84,13 @@ def test_what_nvml_cannot_answer_reads_as_cc_possibly_on(nvml: FakeNvml | None, 
 def test_an_unset_prefill_chunk_resolves_by_device_type() -> None:
     assert [prefill_chunk(torch.device(kind), None) for kind in ("cpu", "cuda", "meta")] == [256, 2048, 256]
     assert prefill_chunk(CUDA, 64) == prefill_chunk(CPU, 64) == 64
+
+
+def test_unset_lane_bytes_resolve_by_device_type_within_a_quarter_of_free_gpu_memory() -> None:
+    assert lane_bytes(CPU, None) == 2 * GIB and lane_bytes(torch.device("meta"), None) == 2 * GIB
+    assert lane_bytes(CUDA, None, lambda: (80 * GIB, 141 * GIB)) == 8 * GIB
+    assert lane_bytes(CUDA, None, lambda: (12 * GIB, 16 * GIB)) == 3 * GIB
+    assert lane_bytes(CUDA, 0, never) == 0 and lane_bytes(CPU, GIB) == GIB
 
 
 @pytest.fixture(scope="module")
