@@ -204,11 +204,12 @@ def choose_forward(model: Any, device: torch.device, dtype: torch.dtype, model_i
 def static_blocker(model: Any, device: torch.device) -> str | None:
     """Why `model`'s decode steps on `device` do not run as static steps over the lanes' slabs, replayed as CUDA
     graphs (`static_decode.py`), or None where they do: on CUDA, every layer plain full attention by SDPA, unless
-    TENZRO_CUDA_GRAPHS=off (the A/B of `scripts/device_check.sh`)."""
-    if device.type != "cuda":
-        return f"on {device.type} a decode step attends each row's own cache: graphs are for a GPU's launches"
+    TENZRO_CUDA_GRAPHS=off (the A/B of `scripts/device_check.sh`). TENZRO_STATIC_DECODE=on takes the static steps
+    on any device, eagerly off CUDA: how the whole node's use of them is tested on a CPU."""
     if os.environ.get("TENZRO_CUDA_GRAPHS", "").lower() == "off":
         return "switched off (TENZRO_CUDA_GRAPHS=off)"
+    if device.type != "cuda" and os.environ.get("TENZRO_STATIC_DECODE", "").lower() != "on":
+        return f"on {device.type} a decode step attends each row's own cache: graphs are for a GPU's launches"
     if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
         return "layers other than full attention (sliding-window or recurrent) keep state outside the lanes' slabs"
     implementations = {getattr(m.config, "_attn_implementation", None) for m in model.modules()

@@ -151,20 +151,26 @@ class StaticDecode:
         return Placed(tuple(lanes), tuple(lengths), tuple(layers))
 
     def _lane(self, layers: Sequence[GrowableKVLayer]) -> int | None:
-        """The lane whose slab rows every layer's buffers are, each holding the same length with room past it."""
-        lane, length = None, layers[0].get_seq_length()
+        """The lane whose slab rows every layer's buffers are, with room past the length; rows still opening or held
+        by reference are put in place first (the step reads the slab, not the layers). The layers of a working cache
+        are made, grown and written together, so they hold the same length: the first one's is the cache's."""
+        first = layers[0]
+        keys = first._key_buffer
+        if keys is None or keys.shape[2] <= first.get_seq_length():
+            return None
+        key_start, key_step = self._starts[0][:2]
+        lane, off = divmod(keys.data_ptr() - key_start, key_step)
+        if off or not 0 <= lane < self.lanes:
+            return None
         for layer, (key_start, key_step, value_start, value_step) in zip(layers, self._starts, strict=True):
-            layer.wait_rows()
-            layer.materialize()
+            if layer.opening is not None:
+                layer.wait_rows()
+            if layer._pending:
+                layer.materialize()
             keys, values = layer._key_buffer, layer._value_buffer
-            if keys is None or values is None or layer.get_seq_length() != length or keys.shape[2] <= length:
+            if (keys is None or values is None or keys.data_ptr() != key_start + lane * key_step
+                    or values.data_ptr() != value_start + lane * value_step):
                 return None
-            found, off = divmod(keys.data_ptr() - key_start, key_step)
-            if off or not 0 <= found < self.lanes or (lane is not None and found != lane):
-                return None
-            if values.data_ptr() != value_start + found * value_step:
-                return None
-            lane = found
         return lane
 
     @torch.inference_mode()

@@ -129,9 +129,12 @@ def test_static_steps_are_chosen_on_cuda_for_full_attention_by_sdpa(tmp_path: Pa
     assert static_blocker(llama.model, cuda) is None
     assert static_blocker(llama.model, torch.device("cpu")) == (
         "on cpu a decode step attends each row's own cache: graphs are for a GPU's launches")
+    monkeypatch.setenv("TENZRO_STATIC_DECODE", "on")  # the whole node's use of the steps, tested on a CPU
+    assert static_blocker(llama.model, torch.device("cpu")) is None
     monkeypatch.setenv("TENZRO_CUDA_GRAPHS", "off")
     assert static_blocker(llama.model, cuda) == "switched off (TENZRO_CUDA_GRAPHS=off)"
     monkeypatch.delenv("TENZRO_CUDA_GRAPHS")
+    monkeypatch.delenv("TENZRO_STATIC_DECODE")
     for family in ("mistral", "bamba"):  # sliding-window layers; recurrent layers
         model = load(family, init_model(family, tmp_path / family, size="small")).model
         assert static_blocker(model, cuda) == (
