@@ -180,12 +180,11 @@ class ModelService:
         return self.scheduler.ask(lambda: self._scope_state(scope))
 
     def shred(self, scope: Scope) -> Future[ScopeState]:
-        """Destroy `scope`'s state now, on the worker thread (`ReuseManager.drop`: its running requests keep their
-        working memory until they end, and store nothing); what was held."""
+        """Destroy `scope`'s state now, on the worker thread (`ReuseManager.shred`: its requests accepted before,
+        queued or running, keep their working memory until they end, and store nothing); what was held."""
         def run() -> ScopeState:
             held = self._scope_state(scope)
-            if self.runner.reuse.drop(lambda other: other == scope):
-                self.runner.settle()
+            self.runner.shred(scope)
             return held
 
         return self.scheduler.ask(run)
@@ -323,6 +322,8 @@ class ModelService:
         # OpenAI's `prompt_cache_retention: 24h` holds everything for a day; breakpoints are resume points.
         write = WritePlan("24h") if params.retention == "24h" else prepared.write
         boundaries = tuple(sorted({*boundaries, *(point.end for point in write.breakpoints)}))
+        # Accepted now: a shred of its scope from here on leaves it storing nothing there (`cache/shred_clock.py`).
         return GenerationRequest(scope=Scope(caller=caller, model=self.model_id), prompt=prompt, params=sampling,
                                  boundaries=boundaries, retain=retain and params.retain,
-                                 forms=prepared.forms, media=prepared.media, shared=shared, write=write)
+                                 forms=prepared.forms, media=prepared.media, shared=shared, write=write,
+                                 stamp=self.runner.reuse.shreds.now)

@@ -4,9 +4,11 @@
 remembered replies, attachment encodings, and its lookups since the node started (a hit resumed stored state, a
 miss none).
 `DELETE /v1/cache[?model=ID]` destroys that state at once, as a removed key's is (zeroed, its keys destroyed), and
-answers what it held; a request of the caller still running keeps its working memory until it ends and stores
-nothing. Both see only the scope of the key that asks (for a router's caller, `router/id`'s): counts and sizes,
-never content.
+answers what it held. A request of the caller accepted before it, still queued or running, replies in full from
+its own working memory, and stores nothing in the scope after it: no state or snapshot, no remembered reply, no
+attachment encoding, no cached write billed (`cache/shred_clock.py`); its requests sent after store as usual.
+Both see only the scope of the key that asks (for a router's caller, `router/id`'s): counts and sizes, never
+content.
 """
 
 from __future__ import annotations

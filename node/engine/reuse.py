@@ -4,8 +4,9 @@ vLLM's KV cache manager in spirit. The runner runs sequences; this manager decid
 `begin` restores the deepest stored prefix of a request's prompt into its lane (copying the rows a running request
 of the same caller holds rather than opening them, where `kinship.py` finds one; `follow` goes on copying
 while that request computes), `end` stores what the request computed (with snapshots where the snapshot policy
-asks), `settle` seals cold state and wipes what idle lanes still hold, and `drop_caller` and `expire` destroy a
-caller's state. It also keeps the reply book and the lanes (`cache/lanes.py`), which outlive requests, and tells
+asks), `settle` seals cold state and wipes what idle lanes still hold, and `shred`, `drop_caller` and `expire`
+destroy a scope's or a caller's state (a request accepted before a shred stores nothing in the shredded scope,
+`shredded`). It also keeps the reply book and the lanes (`cache/lanes.py`), which outlive requests, and tells
 them which rows of a lane are the last stored request's (the hot working cache, which the next request of that
 caller starts from without a copy) and which may be wiped. Plaintext of one caller is never handed to another:
 every copy between running requests, and every adoption of a lane's rows, is within one scope. The one state
@@ -18,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import abc
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from cache.radix_tree import common_prefix_length
 from cache.replies import ReplyBook
 from cache.scope import SharedPrefix
 from cache.sealing import Sealer
+from cache.shred_clock import ShredClock
 from cache.snapshot_policy import SnapshotPolicy
 from cache.token_digest import DigestRun
 from node.engine.kinship import FOLLOW_MIN, best_donor, copied_snapshots, copy_rows, held_state
@@ -112,6 +114,8 @@ class ReuseManager:
         self.replies = ReplyBook()
         """The replies generated for callers whose state is kept, sealed (`cache/replies.py`): kept with reuse off
         too, so that a conversation's prompts, and so its outputs, are the same with reuse on and off."""
+        self.shreds = ShredClock()
+        """When each scope was last shredded: a request accepted before stores nothing in it (`shredded`)."""
         self._live = live
         self._hot: HotLane | None = None
         self.encodings: EncodingCache | None = None
@@ -231,26 +235,29 @@ class ReuseManager:
         forward, media = self.loaded.forward, request.media
         held = SequenceMedia(media)
         encoded = 0
+        kept = self.encodings if request.retain and not self.shredded(request, request.scope) else None
         for index, item in enumerate(media.items):
             if item.end <= restored:
                 continue
             found = None
-            if self.encodings is not None and request.retain:
-                found = self.encodings.get(request.scope, item.digest, self._encoder)
+            if kept is not None:
+                found = kept.get(request.scope, item.digest, self._encoder)
             if found is None:
                 found = forward.encode(item.inputs)
                 encoded += 1
-                if self.encodings is not None and request.retain:
-                    self.encodings.put(request.scope, item.digest, self._encoder, found)
+                if kept is not None:
+                    kept.put(request.scope, item.digest, self._encoder, found)
             held.encodings[index] = found
         return held, encoded
 
     def _donor(self, request: GenerationRequest) -> tuple[Sequence, int] | None:
         """`kinship.best_donor` of the running requests, where state can be copied between requests (not with
-        reuse off or retention none)."""
+        reuse off or retention none), never from one accepted before its scope was shredded: a caller's first
+        request after its `DELETE /v1/cache` reads nothing of what it sent before."""
         if self.prefix_cache is None or not request.retain:
             return None
-        return best_donor(request, [seq for seq in self._live.values() if seq.opening is None])
+        return best_donor(request, [seq for seq in self._live.values()
+                                    if seq.opening is None and not self.shredded(seq.request, seq.request.scope)])
 
     def _snapshot_plan(self, prompt: list[int], boundaries: tuple[int, ...], start: int, matched: int) -> list[int]:
         if not self._takes_snapshots:
@@ -405,7 +412,7 @@ class ReuseManager:
         """Remember `seq`'s reply for its scope when it keeps its state and its text is exactly its ids decoded
         (with no stop string cut from it, no special token inside it): a conversation that sends the text back
         is then given the ids. Done with reuse off too (`replies`)."""
-        if not seq.request.retain or seq.discard or seq.prefilling or seq.request.write.limit is not None:
+        if not seq.request.retain or self._discards(seq) or seq.prefilling or seq.request.write.limit is not None:
             return  # with breakpoints, the reply is not stored
         ids = seq.output
         while ids and ids[-1] in self.loaded.eos_token_ids:
@@ -416,13 +423,14 @@ class ReuseManager:
     def awaits_last_token(self, seq: Sequence) -> bool:
         """Whether `end` stores `seq`'s state with its last sampled token, which has not run yet: the runner runs
         it first (`Runner.feed_last` for several at once, else `Runner.finish`)."""
-        return (seq.request.retain and self.keeps_state and not seq.discard and not seq.prefilling
+        return (seq.request.retain and self.keeps_state and not self._discards(seq) and not seq.prefilling
                 and bool(seq.output) and not seq.fed and self.prefix_cache is not None)
 
     def end(self, seq: Sequence) -> int | None:
         """Store the state of `seq`, ended and out of its lane, for its caller, with its remembered prefix forms;
         returns the prompt tokens it newly stored, billed as cached writes. None when nothing of it is kept
-        (retention none, its caller removed while it ran, reuse off, or a model whose state is not worth keeping).
+        (retention none, its scope shredded or its caller removed since it was accepted, reuse off, or a model whose
+        state is not worth keeping).
         A request cancelled while prefilling keeps what it computed.
 
         A request sharing a prefix with its trust group (`GenerationRequest.shared`) stores that prefix in the
@@ -430,9 +438,10 @@ class ReuseManager:
         it computed, its copy of the prefix included, sealed under its own key: its next turns resume from its
         own state alone, whatever the group's holds by then, and nothing in one scope's index ever names another
         scope's entries (a reference would let one tree split or evict what another leans on). Its copy of the
-        prefix is not billed as a write: the group's was."""
+        prefix is not billed as a write: the group's was. A group removed since the request was accepted gets
+        nothing, and the whole is the caller's own."""
         request, prompt, output = seq.request, seq.request.keys, seq.output
-        if not (request.retain and self.keeps_state) or seq.discard:
+        if not (request.retain and self.keeps_state) or self._discards(seq):
             return None
         assert self.prefix_cache is not None
         fed = prompt + output
@@ -445,6 +454,8 @@ class ReuseManager:
             self.snapshot_end(seq, len(fed))
         own, written = 0, 0
         shared = request.shared
+        if shared is not None and self.shredded(request, shared.scope):
+            shared = None
         if shared is not None:
             own = shared.length
             if len(fed) >= shared.length:
@@ -501,24 +512,37 @@ class ReuseManager:
             self.arena.wipe_scratch()
 
     def drop_caller(self, caller: str) -> bool:
-        """The caller's key was removed: `drop` of its scopes (and of the callers it acts for as a router), and its
-        lookup counts forgotten."""
+        """The caller's key (or a trust group) was removed: `_drop` of its scopes (and of the callers it acts for as
+        a router), its lookup counts forgotten; its requests accepted before store nothing (`shredded`)."""
+        self.shreds.shred_caller(caller)
         if self.prefix_cache is not None:
             self.prefix_cache.drop_caller(caller)
-        return self.drop(lambda scope: belongs_to(scope, caller))
+        return self._drop(lambda scope: belongs_to(scope, caller))
 
-    def drop(self, select: Callable[[Scope], bool]) -> bool:
-        """The selected scopes' stored state is zeroed, their keys destroyed, their replies forgotten, and their
-        running requests will store nothing (a caller's key removed; a caller shredding its own state). True when
-        the hot working cache is among them: the caller then settles, which wipes it."""
+    def shred(self, scope: Scope) -> bool:
+        """A caller shreds its own state (`DELETE /v1/cache`): `_drop` of `scope`; its requests accepted before,
+        queued or running, store nothing in it (`shredded`), those accepted after store as usual."""
+        self.shreds.shred(scope)
+        return self._drop(lambda other: other == scope)
+
+    def shredded(self, request: GenerationRequest, scope: Scope) -> bool:
+        """Whether `scope` was shredded since `request` was accepted (`cache/shred_clock.py`). The one rule every
+        store of a request asks, for the scope it writes: its state and snapshots, prefix forms, reply and
+        attachment encodings. A request running at the shred and one still queued are judged alike, by when they
+        were accepted."""
+        assert request.stamp is not None, "stamped when accepted, or when it starts (ModelRunner.start)"
+        return self.shreds.shredded_since(scope, request.stamp)
+
+    def _discards(self, seq: Sequence) -> bool:
+        """Nothing of `seq` is stored: its state may be part written, or its scope was shredded since it came."""
+        return seq.discard or self.shredded(seq.request, seq.request.scope)
+
+    def _drop(self, select: Callable[[Scope], bool]) -> bool:
+        """The selected scopes' stored state is zeroed, their keys destroyed, their replies and encodings
+        forgotten. True when the hot working cache is among them: the caller then settles, which wipes it."""
         self.replies.drop(select)
         if self.encodings is not None:
             self.encodings.drop(select)
-        for seq in self._live.values():
-            if select(seq.request.scope):
-                seq.discard = True  # nothing of it is stored when it ends
-            elif seq.request.shared is not None and select(seq.request.shared.scope):
-                seq.request = replace(seq.request, shared=None)  # its trust group is gone: it stores nothing there
         if self.prefix_cache is None:
             return False
         self.prefix_cache.drop(select)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -111,6 +112,11 @@ class ModelRunner:
         if self.reuse.drop_caller(caller):
             self.settle()
 
+    def shred(self, scope: Scope) -> None:
+        """The caller shreds `scope` (`ReuseManager.shred`); its hot working cache is wiped now."""
+        if self.reuse.shred(scope):
+            self.settle()
+
     def expire(self, ttl_of: Callable[[str], float | None]) -> None:
         """`ReuseManager.expire`; a hot working cache among the expired state is wiped now."""
         if self.reuse.expire(ttl_of):
@@ -169,9 +175,12 @@ class ModelRunner:
     @torch.inference_mode()
     def start(self, request: GenerationRequest, emit: Callable[[str], Any], cancelled: Callable[[], bool],
               queue_wait_s: float = 0.0, lane: int = 0) -> Sequence:
-        """Begin `request` in `lane` (free): restore its prefix state and plan its prefill."""
+        """Begin `request` in `lane` (free): restore its prefix state and plan its prefill. A request not stamped
+        when it was accepted (`GenerationRequest.stamp`) is stamped now."""
         assert lane not in self._live, "a lane runs one sequence at a time"
         started = time.perf_counter()
+        if request.stamp is None:
+            request = replace(request, stamp=self.reuse.shreds.now)
         params, prompt = request.params, request.prompt
         got = self.reuse.begin(request, lane)
         stops = sorted(set(got.wanted) | set(range(got.length + self.prefill_chunk, len(prompt), self.prefill_chunk))

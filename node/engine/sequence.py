@@ -53,6 +53,9 @@ class GenerationRequest:
     shared: SharedPrefix | None = None
     """The prompt's prefix its caller's trust group shares (resumed from and stored in the group's scope); None:
     everything is the caller's own."""
+    stamp: int | None = None
+    """The node's shred clock when the request was accepted (`cache/shred_clock.py`): nothing of it is stored in a
+    scope shredded since, though it was queued or running then. None: stamped when it starts (`ModelRunner.start`)."""
 
     @property
     def keys(self) -> list[int]:
@@ -133,7 +136,8 @@ class Sequence:
     """None while it runs; then "stop", "length" or "cancelled"."""
     ttft: float = 0.0
     discard: bool = False
-    """Its caller went while it ran: nothing of it is stored."""
+    """Its state may be part written, or did not open: nothing of it is stored (nor, by another rule, in a scope
+    shredded since it was accepted: `ReuseManager.shredded`)."""
     fed: bool = False
     """Its last sampled token has run (`ModelRunner.feed_last`): `finish` stores the state as it is."""
     opening: Opening | None = None

@@ -223,5 +223,9 @@ def test_a_request_running_while_its_caller_shreds_ends_whole_and_stores_nothing
     assert shredded is not None and shredded[0] == 200
     assert shredded[1]["deleted"]["entries"] == 0  # shredded before the request ended: it had stored nothing yet
     assert final.usage.output_tokens == 120 and final.stop_reason == "max_tokens"
+    assert final.usage.cache_creation_input_tokens == 0  # billed no cached write: nothing was stored
     status, view = call(node, "GET", "/v1/cache", {"x-api-key": key})
-    assert status == 200 and (view["entries"], view["tokens"], view["bytes"]["total"]) == (0, 0, 0)
+    assert status == 200 and (view["entries"], view["tokens"], view["bytes"]["total"], view["replies"]) == (0, 0, 0, 0)
+    after = claude.messages.create(model=small_model_dir.name, max_tokens=2, system=SYSTEM, extra_body=GREEDY,
+                                   messages=[{"role": "user", "content": TURNS[1]}])
+    assert after.usage.cache_read_input_tokens == 0 and (after.usage.cache_creation_input_tokens or 0) > 0  # stores

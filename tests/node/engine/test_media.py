@@ -120,6 +120,29 @@ def test_another_caller_encodes_the_same_image_again(models: dict[str, LoadedMod
     assert cache.counts(Scope("a", "vlm-llava")).entries == 1
 
 
+def test_a_request_accepted_before_its_caller_shreds_keeps_no_encoding(models: dict[str, LoadedModel]) -> None:
+    """Queued when its caller shreds (`DELETE /v1/cache`): its image is encoded for it and kept nowhere; the
+    caller's next request encodes it again and keeps it."""
+    pair = MediaPair(models["vlm-llava"])
+    scope, prompt = Scope("a", "vlm-llava"), pair.prompt([user("what is it", 3)])
+    reuse = pair.on.reuse
+    assert reuse.encodings is not None and reuse.prefix_cache is not None
+
+    def request() -> GenerationRequest:  # accepted now
+        return GenerationRequest(scope, prompt.ids, SamplingParams(max_tokens=6, temperature=0.0),
+                                 boundaries=prompt.rendered.boundaries, media=prompt.media, stamp=reuse.shreds.now)
+
+    waiting = request()
+    pair.on.shred(scope)
+    late = pair.on.generate(waiting, lambda _: None, lambda: False)
+    assert (late.attachments_encoded, late.cached_write_tokens, late.retained) == (1, 0, False)
+    assert (reuse.encodings.counts(scope).entries, reuse.prefix_cache.holdings(scope).tokens) == (0, 0)
+    again = pair.on.generate(request(), lambda _: None, lambda: False)
+    assert (again.attachments_encoded, again.cached_write_tokens, again.output_ids) == (
+        1, again.prompt_tokens, late.output_ids)
+    assert reuse.encodings.counts(scope).entries == 1
+
+
 def test_prompts_with_different_images_diverge_at_the_image(models: dict[str, LoadedModel]) -> None:
     """The prefix index keys an image's placeholders by the image: equal up to the image, different inside it,
     equal for the same image; the ids the model reads are the placeholders either way."""

@@ -70,10 +70,20 @@ def test_a_request_running_when_its_group_is_dropped_stores_nothing_there(loaded
 
     def drop_once(_: str) -> None:  # while the request decodes, as the worker's chore between steps would
         if not dropped:
-            dropped.append(runner.reuse.drop(lambda scope: scope == GROUP))
+            dropped.append(runner.reuse.drop_caller(GROUP.caller))  # the group removed from the config
 
     request = GenerationRequest(A, PREFIX + tokens(2, 40), SamplingParams(8, 0.0), (SHARED,),
                                 shared=SharedPrefix(GROUP, SHARED))
     result = runner.generate(request, emit=drop_once, cancelled=lambda: False)
     assert dropped and result.cached_write_tokens == 140  # all of it A's own now
+    assert runner.reuse.prefix_cache is not None and runner.reuse.prefix_cache.holdings(GROUP).tokens == 0
+
+
+def test_a_request_queued_when_its_group_is_removed_stores_nothing_there(loaded: LoadedModel) -> None:
+    runner = sealed_runner(loaded, prefill_chunk=64)
+    request = GenerationRequest(A, PREFIX + tokens(2, 40), SamplingParams(8, 0.0), (SHARED,),
+                                shared=SharedPrefix(GROUP, SHARED), stamp=runner.reuse.shreds.now)
+    runner.drop_caller(GROUP.caller)
+    result = runner.generate(request, emit=lambda _: None, cancelled=lambda: False)
+    assert result.cached_write_tokens == 140  # all of it A's own
     assert runner.reuse.prefix_cache is not None and runner.reuse.prefix_cache.holdings(GROUP).tokens == 0
