@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,16 @@ from node.engine.cpu_kernels import load_kernels
 from node.engine.loader import load_model
 from node.engine.runner import GenerationRequest, ModelRunner
 from node.engine.sampling import SamplingParams
-from tests.node.conftest import Node
+from tests.node.conftest import Node, start_node, stop_node
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, small_model_dir: Path) -> Iterator[Node]:
+    """One node (reuse and sealing on, as served by default) for the tests that need no node of their own: each asks
+    as callers named for it alone, whose state no other test's requests touch."""
+    started = start_node(tmp_path_factory.mktemp("server"), small_model_dir)
+    yield started
+    stop_node(started)
 
 
 def client(node: Node, key: str) -> openai.OpenAI:
@@ -66,9 +76,8 @@ def test_five_turn_chat_reuses_history_and_matches_no_reuse(node_factory, small_
     assert got.usage.prompt_tokens > 100
 
 
-def test_another_caller_and_another_model_start_from_scratch(node_factory, small_model_dir: Path) -> None:
-    node = node_factory(small_model_dir)
-    alice, bob = client(node, node.add_key("alice")), client(node, node.add_key("bob"))
+def test_another_caller_and_another_model_start_from_scratch(node: Node, small_model_dir: Path) -> None:
+    alice, bob = client(node, node.add_key("another-alice")), client(node, node.add_key("another-bob"))
     model = small_model_dir.name
     messages = [{"role": "user", "content": "The same long prompt for both callers. " * 10}]
     first = alice.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
@@ -80,9 +89,8 @@ def test_another_caller_and_another_model_start_from_scratch(node_factory, small
     assert other.choices[0].message.content == first.choices[0].message.content
 
 
-def test_completions_accept_text_and_token_ids_and_stream_usage(node_factory, small_model_dir: Path) -> None:
-    node = node_factory(small_model_dir)
-    c = client(node, node.add_key("alice"))
+def test_completions_accept_text_and_token_ids_and_stream_usage(node: Node, small_model_dir: Path) -> None:
+    c = client(node, node.add_key("completions"))
     model = small_model_dir.name
     ids = list(range(1000, 1100))
     plain = c.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0)
@@ -107,9 +115,8 @@ def test_completions_accept_text_and_token_ids_and_stream_usage(node_factory, sm
     assert [ch.choices[0].finish_reason for ch in chat_chunks if ch.choices][-1] == "length"
 
 
-def test_seeded_sampling_repeats_and_stop_strings_cut(node_factory, small_model_dir: Path) -> None:
-    node = node_factory(small_model_dir)
-    c = client(node, node.add_key("alice"))
+def test_seeded_sampling_repeats_and_stop_strings_cut(node: Node, small_model_dir: Path) -> None:
+    c = client(node, node.add_key("seeded"))
     model = small_model_dir.name
     kwargs = dict(model=model, prompt="Once upon a time", max_tokens=10, temperature=0.9, top_p=0.9)
     a = c.completions.create(seed=7, **kwargs)
@@ -123,11 +130,10 @@ def test_seeded_sampling_repeats_and_stop_strings_cut(node_factory, small_model_
 
 
 def test_unknown_and_unimplemented_fields_are_refused_by_name_and_the_node_keeps_serving(
-        node_factory, small_model_dir: Path) -> None:
+        node: Node, small_model_dir: Path) -> None:
     """As OpenAI refuses them (issue 34: `modalities: ["audio"]`, `web_search_options`, `store: true` and a
     made-up field were served with 200, as if absent)."""
-    node = node_factory(small_model_dir)
-    c = client(node, node.add_key("alice"))
+    c = client(node, node.add_key("refused"))
     model = small_model_dir.name
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as unknown:
@@ -149,9 +155,8 @@ def test_unknown_and_unimplemented_fields_are_refused_by_name_and_the_node_keeps
     assert served.usage.completion_tokens == 2
 
 
-def test_usage_carries_cache_writes_where_openai_clients_read_them(node_factory, small_model_dir: Path) -> None:
-    node = node_factory(small_model_dir)
-    c = client(node, node.add_key("alice"))
+def test_usage_carries_cache_writes_where_openai_clients_read_them(node: Node, small_model_dir: Path) -> None:
+    c = client(node, node.add_key("usage"))
     messages = [{"role": "user", "content": "Write down what the tide does."}]
     first = c.chat.completions.create(model=small_model_dir.name, messages=messages, max_tokens=2)
     again = c.chat.completions.create(model=small_model_dir.name, messages=messages, max_tokens=2)
@@ -188,9 +193,8 @@ async def _post(session: aiohttp.ClientSession, url: str, headers: dict[str, str
         return resp.status, await resp.json()
 
 
-def test_errors_are_openai_shaped_and_the_node_keeps_serving(node_factory, small_model_dir: Path) -> None:
-    node = node_factory(small_model_dir)
-    key = node.add_key("alice")
+def test_errors_are_openai_shaped_and_the_node_keeps_serving(node: Node, small_model_dir: Path) -> None:
+    key = node.add_key("errors")
     model = small_model_dir.name
     good = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 
@@ -216,7 +220,7 @@ def test_errors_are_openai_shaped_and_the_node_keeps_serving(node_factory, small
 def test_full_queue_answers_503_and_health_answers_during_prefill(node_factory, small_model_dir: Path) -> None:
     node = node_factory(small_model_dir, config_text="limits:\n  max_queue: 1\n  max_running: 1\n")
     key, operator = node.add_key("alice"), node.add_key("ops", "operator")
-    long = {"model": small_model_dir.name, "prompt": list(range(100, 2100)), "max_tokens": 1900}
+    long = {"model": small_model_dir.name, "prompt": list(range(100, 2100)), "max_tokens": 300}
 
     async def run() -> None:
         headers = {"Authorization": f"Bearer {key}"}
@@ -275,7 +279,7 @@ def test_models_and_metrics(node_factory, small_model_dir: Path) -> None:
     assert "alice" not in text
 
 
-def test_the_node_says_which_forward_its_model_runs_and_why(node_factory, small_model_dir: Path) -> None:
+def test_the_node_says_which_forward_its_model_runs_and_why(node: Node, small_model_dir: Path) -> None:
     """The same choice as an in-process load on this machine, in the start log, `GET /v1/node` and `/metrics`:
     `native-cpu` where the kernels load, `library` under TENZRO_NATIVE=off (`make test`'s second pass) or where
     they do not, so the two passes check both backends."""
@@ -284,8 +288,7 @@ def test_the_node_says_which_forward_its_model_runs_and_why(node_factory, small_
         assert (expected.backend, expected.reason) == ("library", "switched off by TENZRO_NATIVE=off")
     else:
         assert expected.backend == ("native-cpu" if load_kernels().kernels is not None else "library")
-    node = node_factory(small_model_dir)
-    operator = node.add_key("ops", "operator")
+    operator = node.add_key("forward-ops", "operator")
 
     async def read() -> tuple[dict[str, object], str]:
         async with aiohttp.ClientSession() as session:
@@ -314,9 +317,8 @@ def test_refuses_to_start_on_a_directory_that_is_not_a_model(tmp_path: Path, bad
     assert "is not a Hugging Face model directory: it has no config.json" in result.stderr
 
 
-def test_a_stream_returns_its_prompt_and_reply_ids_with_its_finish_reason(node_factory, small_model_dir: Path) -> None:
-    node = node_factory(small_model_dir)
-    c, model = client(node, node.add_key("alice")), small_model_dir.name
+def test_a_stream_returns_its_prompt_and_reply_ids_with_its_finish_reason(node: Node, small_model_dir: Path) -> None:
+    c, model = client(node, node.add_key("stream")), small_model_dir.name
     messages = [{"role": "user", "content": "Count the tides."}]
     plain = c.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0,
                                       extra_body={"return_token_ids": True})
