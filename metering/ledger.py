@@ -22,7 +22,16 @@ from pathlib import Path
 from metering.durable import fsync_directory
 from metering.merkle import MerkleTree, leaf_hash
 from metering.pricing import PriceSchedule
-from metering.record import ZERO_HASH, Latency, RecordStatus, TokenCounts, UsageRecord, check_evidence_digest
+from metering.record import (
+    NO_MEDIA,
+    ZERO_HASH,
+    Latency,
+    MediaCounts,
+    RecordStatus,
+    TokenCounts,
+    UsageRecord,
+    check_evidence_digest,
+)
 from metering.segment import SegmentHeader, segment_path
 from metering.signer import NodeSigner
 from metering.tree_head import ConsistencyProof, InclusionProof, TreeHead
@@ -97,6 +106,7 @@ class Ledger:
         counts: TokenCounts,
         prices: PriceSchedule,
         latency: Latency,
+        media: MediaCounts = NO_MEDIA,
     ) -> UsageRecord:
         """Sign and durably write the record of one completion; returns it as written.
 
@@ -121,6 +131,7 @@ class Ledger:
                 prices=prices,
                 latency=latency,
                 prev_hash=self._prev_hash,
+                media=media,
             )
             record = draft.with_signature(self.signer.sign(draft.signing_payload()))
             line = record.canonical_bytes()

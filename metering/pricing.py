@@ -1,4 +1,4 @@
-"""Per-token prices in integer wei, read from a YAML file that the operator may change while serving.
+"""Per-token (and per-image) prices in integer wei, read from a YAML file that the operator may change while serving.
 
 Every usage record copies the prices it was charged at, so a change applies from the next completion
 on and never rewrites history. A missing or malformed price file is an error, never a silent zero
@@ -27,6 +27,9 @@ class PriceSchedule:
 
     Writes held longer than the default (`cache/ttl.py`'s `1h` and `24h` classes) may be priced apart: they take
     memory for longer. None: at the plain write price (a price file written before the classes existed).
+
+    `image_price_wei` is charged per image an image node renders, on top of its prompt's tokens: the denoising steps
+    are the work, and no token counts them. 0 (a price file without it): images cost their prompt's tokens only.
     """
 
     input_price_wei: int
@@ -35,6 +38,7 @@ class PriceSchedule:
     cached_write_price_wei: int
     cached_write_1h_price_wei: int | None = None
     cached_write_24h_price_wei: int | None = None
+    image_price_wei: int = 0
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -63,6 +67,8 @@ class PriceSchedule:
 
 CLASS_PRICE_FIELDS = ("cached_write_1h_price_wei", "cached_write_24h_price_wei")
 """Optional in a price file: each defaults to the plain write price."""
+OPTIONAL_PRICE_FIELDS = (*CLASS_PRICE_FIELDS, "image_price_wei")
+"""Optional in a price file: the class write prices, and the image price (default 0)."""
 PRICE_FIELDS: tuple[str, ...] = tuple(field.name for field in fields(PriceSchedule))
 
 DEFAULT_PRICING = PriceSchedule(
@@ -77,7 +83,7 @@ cached reads at a tenth, cached writes at 1.25x, output at 4x). Never used impli
 
 def parse_pricing(data: object, source: str) -> PriceSchedule:
     """Build a schedule from parsed YAML: a mapping with the four plain price fields, and optionally the class
-    write prices (CLASS_PRICE_FIELDS)."""
+    write prices and the image price (OPTIONAL_PRICE_FIELDS)."""
     if not isinstance(data, dict):
         raise PricingError(f"{source}: expected a mapping of the fields {', '.join(PRICE_FIELDS)}")
     unknown = sorted(str(key) for key in data if key not in PRICE_FIELDS)
@@ -85,7 +91,7 @@ def parse_pricing(data: object, source: str) -> PriceSchedule:
         raise PricingError(
             f"{source}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(PRICE_FIELDS)}"
         )
-    missing = [name for name in PRICE_FIELDS if name not in data and name not in CLASS_PRICE_FIELDS]
+    missing = [name for name in PRICE_FIELDS if name not in data and name not in OPTIONAL_PRICE_FIELDS]
     if missing:
         raise PricingError(f"{source}: missing field(s) {', '.join(missing)}")
     try:
@@ -114,7 +120,8 @@ def load_pricing(path: str | os.PathLike[str]) -> PriceSchedule:
 
 def save_pricing(path: str | os.PathLike[str], schedule: PriceSchedule) -> None:
     """Write a price file atomically, so a running node never loads a half-written one."""
-    text = "# Prices per token in integer wei.\n" + yaml.safe_dump(schedule.to_mapping(), sort_keys=False)
+    text = ("# Prices in integer wei: per token, and per image (image_price_wei).\n"
+            + yaml.safe_dump(schedule.to_mapping(), sort_keys=False))
     atomic_write_text(Path(path), text)
 
 

@@ -1,7 +1,8 @@
-"""The signed usage record of one completion: token counts, the prices charged, the cost, service times, ids.
+"""The signed usage record of one completion: token and media counts, the prices charged, the cost, service times,
+ids.
 
-A record carries counts, times and identifiers only. It never holds prompt or completion text, nor any
-hash of it: a digest of short or guessable text can be reversed by trying candidates, and the
+A record carries counts, times and identifiers only. It never holds prompt or completion text, images, nor any
+hash of them: a digest of short or guessable text can be reversed by trying candidates, and the
 ledger is read by people who must not learn what callers asked.
 
 In JSON, wei amounts are decimal strings (RFC 8785 section 6: integers beyond 2**53 - 1 have no
@@ -106,6 +107,38 @@ class TokenCounts:
 
 
 @dataclass(frozen=True, slots=True)
+class MediaCounts:
+    """What a completion's media took beyond its tokens: counts only, never content or a digest of it.
+
+    - `attachments_encoded`, `attachments_reused`: the images and audio clips a chat prompt sent, run through the
+      model's encoder for this request, or not (restored with the prefix, or found in the caller's encoding cache).
+    - `conditionings_encoded`, `conditionings_reused`: on an image node, the prompt's conditioning and an edit's
+      reference-image latents, computed for this request or taken from the caller's encoding cache.
+    - `images`: the images an image node produced, each charged the image price.
+
+    Encoded and reused are counted, not priced: their tokens already are (a reused attachment's positions are
+    cached reads rather than input), and one price per encoder run would bill the caller for the node's cache
+    misses. Only `images` adds to the cost.
+    """
+
+    attachments_encoded: int = 0
+    attachments_reused: int = 0
+    conditionings_encoded: int = 0
+    conditionings_reused: int = 0
+    images: int = 0
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if type(value) is not int or value < 0:
+                raise RecordError(f"{field.name} must be a non-negative integer, got {value!r}")
+
+
+NO_MEDIA = MediaCounts()
+"""A text completion without attachments."""
+
+
+@dataclass(frozen=True, slots=True)
 class Latency:
     """Service times of one completion in whole milliseconds, each measured from the job's enqueue (the node
     taking it into its queue), so that a caller can show from signed data that a latency promise was missed.
@@ -141,8 +174,8 @@ class Latency:
                 )
 
 
-def cost_wei(counts: TokenCounts, prices: PriceSchedule) -> int:
-    """The charge for a completion, in wei."""
+def cost_wei(counts: TokenCounts, prices: PriceSchedule, media: MediaCounts = NO_MEDIA) -> int:
+    """The charge for a completion, in wei: its tokens at their classes' prices, and its images at the image price."""
     return (
         counts.uncached_input_tokens * prices.input_price_wei
         + counts.cached_read_tokens * prices.cached_read_price_wei
@@ -151,12 +184,16 @@ def cost_wei(counts: TokenCounts, prices: PriceSchedule) -> int:
         + counts.cached_write_1h_tokens * prices.write_1h_price_wei
         + counts.cached_write_24h_tokens * prices.write_24h_price_wei
         + counts.output_tokens * prices.output_price_wei
+        + media.images * prices.image_price_wei
     )
 
 
 @dataclass(frozen=True, slots=True)
 class UsageRecord:
-    """One ledger entry. `signature` is Ed25519 over the canonical JSON of all other fields."""
+    """One ledger entry. `signature` is Ed25519 over the canonical JSON of all other fields.
+
+    Attachments and conditionings, encoded or reused, are counted and not priced; images are priced (`MediaCounts`).
+    """
 
     record_id: str  # the completion id the caller saw
     seq: int  # position in the segment, from 0, no gaps
@@ -175,18 +212,26 @@ class UsageRecord:
     output_price_wei: int
     cached_read_price_wei: int
     cached_write_price_wei: int
-    cost_wei: int  # == cost_wei(self.counts, self.prices), checked on construction
+    cost_wei: int  # == cost_wei(self.counts, self.prices, self.media), checked on construction
     queue_wait_ms: int  # the three times form `self.latency`; `Latency` defines them
     ttft_ms: int  # 0 when output_tokens is 0, else at least queue_wait_ms
     total_ms: int
     prev_hash: str  # SHA-256 hex of the previous record's line, ZERO_HASH for seq 0
     signature: str  # 128 hex characters, or UNSIGNED for a draft
     # Writes of a time-to-live class priced apart, and that price; in JSON only when the count is not 0 (both
-    # then), so that records from before the classes keep their bytes and signatures (CLASS_FIELDS).
+    # then), so that records from before the classes keep their bytes and signatures (PRICED_FIELDS).
     cached_write_1h_tokens: int = 0
     cached_write_1h_price_wei: int = 0
     cached_write_24h_tokens: int = 0
     cached_write_24h_price_wei: int = 0
+    # Media (`MediaCounts`), each in JSON only when not 0 (the image price with `images`, PRICED_FIELDS), for the
+    # same reason. Reused attachments and conditionings are counted, not priced apart (`MediaCounts` says why).
+    attachments_encoded: int = 0
+    attachments_reused: int = 0
+    conditionings_encoded: int = 0
+    conditionings_reused: int = 0
+    images: int = 0
+    image_price_wei: int = 0
 
     def __post_init__(self) -> None:
         for name in ("record_id", "caller_id", "model"):
@@ -205,22 +250,23 @@ class UsageRecord:
             raise RecordError(f"status must be one of {', '.join(STATUSES)}, got {self.status!r}")
         if not isinstance(self.prev_hash, str) or not _HEX64.fullmatch(self.prev_hash):
             raise RecordError(f"prev_hash must be 64 lowercase hex characters, got {self.prev_hash!r}")
-        for tokens, price in CLASS_FIELDS:
-            if getattr(self, tokens) == 0 and getattr(self, price) != 0:
-                raise RecordError(f"{price} must be 0 when {tokens} is 0: a record names only prices it charged")
+        for count, price in PRICED_FIELDS:
+            if getattr(self, count) == 0 and getattr(self, price) != 0:
+                raise RecordError(f"{price} must be 0 when {count} is 0: a record names only prices it charged")
         if self.signature != UNSIGNED and (
             not isinstance(self.signature, str) or not _HEX128.fullmatch(self.signature)
         ):
             raise RecordError("signature must be 128 lowercase hex characters")
         try:
-            expected = cost_wei(self.counts, self.prices)
+            expected = cost_wei(self.counts, self.prices, self.media)
         except PricingError as exc:
             raise RecordError(str(exc)) from exc
         if self.cost_wei != expected:
             raise CostMismatch(
                 f"cost_wei is {self.cost_wei} but counts and prices give {expected}; "
                 "cost = uncached input * input price + cached reads * read price "
-                "+ cached writes * write price (1h and 24h writes at theirs) + output * output price"
+                "+ cached writes * write price (1h and 24h writes at theirs) + output * output price "
+                "+ images * image price"
             )
         latency = self.latency
         if self.output_tokens == 0 and latency.ttft_ms != 0:
@@ -248,8 +294,9 @@ class UsageRecord:
         prices: PriceSchedule,
         latency: Latency,
         prev_hash: str,
+        media: MediaCounts = NO_MEDIA,
     ) -> UsageRecord:
-        """An unsigned record with its cost computed from `counts` and `prices`."""
+        """An unsigned record with its cost computed from `counts`, `media` and `prices`."""
         return cls(
             record_id=record_id,
             seq=seq,
@@ -267,7 +314,9 @@ class UsageRecord:
             cached_write_price_wei=prices.cached_write_price_wei,
             cached_write_1h_price_wei=prices.write_1h_price_wei if counts.cached_write_1h_tokens else 0,
             cached_write_24h_price_wei=prices.write_24h_price_wei if counts.cached_write_24h_tokens else 0,
-            cost_wei=cost_wei(counts, prices),
+            **asdict(media),
+            image_price_wei=prices.image_price_wei if media.images else 0,
+            cost_wei=cost_wei(counts, prices, media),
             **asdict(latency),
             prev_hash=prev_hash,
             signature=UNSIGNED,
@@ -292,7 +341,13 @@ class UsageRecord:
             self.cached_write_price_wei,
             self.cached_write_1h_price_wei if self.cached_write_1h_tokens else None,
             self.cached_write_24h_price_wei if self.cached_write_24h_tokens else None,
+            self.image_price_wei,
         )
+
+    @property
+    def media(self) -> MediaCounts:
+        return MediaCounts(self.attachments_encoded, self.attachments_reused, self.conditionings_encoded,
+                           self.conditionings_reused, self.images)
 
     @property
     def latency(self) -> Latency:
@@ -301,9 +356,12 @@ class UsageRecord:
     def to_json(self) -> dict[str, Any]:
         """The JSON object form: field names as members, wei amounts as decimal strings."""
         obj: dict[str, Any] = {field.name: getattr(self, field.name) for field in fields(self)}
-        for tokens, price in CLASS_FIELDS:
-            if obj[tokens] == 0:
-                del obj[tokens], obj[price]
+        for count, price in PRICED_FIELDS:
+            if obj[count] == 0:
+                del obj[count], obj[price]
+        for name in MEDIA_COUNT_FIELDS:
+            if obj[name] == 0:
+                del obj[name]
         for name in WEI_FIELDS:
             if name in obj:
                 obj[name] = wei_to_json(obj[name])
@@ -316,9 +374,12 @@ class UsageRecord:
             raise RecordError(f"a usage record is a JSON object, got {type(obj).__name__}")
         unknown = sorted(set(obj) - set(RECORD_FIELDS))
         missing = [name for name in RECORD_FIELDS if name not in obj and name not in OPTIONAL_FIELDS]
-        for tokens, price in CLASS_FIELDS:
-            if (tokens in obj) != (price in obj) or obj.get(tokens, 1) == 0:
-                raise RecordError(f"{tokens} and {price} are members together, and only when {tokens} is not 0")
+        for count, price in PRICED_FIELDS:
+            if (count in obj) != (price in obj) or obj.get(count, 1) == 0:
+                raise RecordError(f"{count} and {price} are members together, and only when {count} is not 0")
+        for name in MEDIA_COUNT_FIELDS:
+            if obj.get(name, 1) == 0:
+                raise RecordError(f"{name} is a member only when it is not 0")
         if unknown or missing:
             raise RecordError(
                 f"usage record members differ: unknown {unknown or 'none'}, missing {missing or 'none'}"
@@ -355,14 +416,19 @@ class UsageRecord:
 
 RECORD_FIELDS: tuple[str, ...] = tuple(field.name for field in fields(UsageRecord))
 WEI_FIELDS: tuple[str, ...] = tuple(name for name in RECORD_FIELDS if name.endswith("_wei"))
-CLASS_FIELDS: tuple[tuple[str, str], ...] = (
+PRICED_FIELDS: tuple[tuple[str, str], ...] = (
     ("cached_write_1h_tokens", "cached_write_1h_price_wei"),
     ("cached_write_24h_tokens", "cached_write_24h_price_wei"),
+    ("images", "image_price_wei"),
 )
-"""(count, price) of each time-to-live class priced apart: members of a record's JSON only when the count is not 0."""
-OPTIONAL_FIELDS = frozenset(name for pair in CLASS_FIELDS for name in pair)
+"""(count, price) of each time-to-live class priced apart, and of images: members of a record's JSON only when the
+count is not 0, so that a record without them has the bytes (and signature) it had before they existed."""
+MEDIA_COUNT_FIELDS: tuple[str, ...] = tuple(field.name for field in fields(MediaCounts) if field.name != "images")
+"""Counts priced nowhere: members of a record's JSON only when not 0, for the same reason."""
+OPTIONAL_FIELDS = frozenset({name for pair in PRICED_FIELDS for name in pair} | set(MEDIA_COUNT_FIELDS))
 _INT_FIELDS = frozenset(
     {"seq", "timestamp_ms", "input_tokens", "cached_read_tokens", "cached_write_tokens", "output_tokens",
      "cached_write_1h_tokens", "cached_write_24h_tokens"}
+    | {field.name for field in fields(MediaCounts)}
     | {field.name for field in fields(Latency)}
 )

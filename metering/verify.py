@@ -44,7 +44,7 @@ PROBLEM_KINDS: tuple[str, ...] = (
     "foreign-key",  # the header or a record names a key other than the trusted one
     "bad-signature",  # the signature does not verify under the trusted key
     "invalid-record",  # signed, but a field is out of range (e.g. cached > input)
-    "cost-mismatch",  # signed, but cost_wei differs from counts x prices
+    "cost-mismatch",  # signed, but cost_wei differs from counts (tokens and images) x prices
     "boot-mismatch",  # a record of another node start (segment) was spliced in
     "evidence-mismatch",  # signed, but a record names other attestation evidence than its segment
     "duplicate",  # a seq that was already seen appears again

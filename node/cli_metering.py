@@ -58,6 +58,7 @@ PRICE_FLAGS: dict[str, str] = {
     "--price-per-cached-write-token-wei": "cached_write_price_wei",
     "--price-per-cached-write-1h-token-wei": "cached_write_1h_price_wei",
     "--price-per-cached-write-24h-token-wei": "cached_write_24h_price_wei",
+    "--price-per-image-wei": "image_price_wei",
 }
 assert sorted(PRICE_FLAGS.values()) == sorted(PRICE_FIELDS)
 
@@ -167,7 +168,8 @@ def add_pricing_commands(provider_subparsers: argparse._SubParsersAction) -> Non
     )
     for flag, field in PRICE_FLAGS.items():
         set_parser.add_argument(
-            flag, dest=field, type=int, metavar="N", help=f"{field}, integer wei per token"
+            flag, dest=field, type=int, metavar="N",
+            help=f"{field}, integer wei per {'image' if field == 'image_price_wei' else 'token'}"
         )
     set_parser.add_argument(
         "--pricing", metavar="FILE", help="price file (default $TENZRO_HOME/pricing.yaml)"

@@ -1,7 +1,7 @@
 """The metering of one node start: its signing key, ledger segment and prices, fed by the engine's jobs.
 
 Every completion the node accepted gets one signed record under the completion id the client saw,
-whether it completed, failed or was cancelled, with its token counts and service times (`Latency`).
+whether it completed, failed or was cancelled, with its token and media counts and service times (`Latency`).
 The record is appended before the handler sees the job's outcome, so a client that has a response can
 already look its record up. When a handler stops listening first (the client went away), the meter keeps
 waiting for the cancelled job's outcome in the background and records that. Appends fsync, so they run in
@@ -22,7 +22,7 @@ from typing import Any
 
 from metering.ledger import Ledger, LedgerError
 from metering.pricing import PricingSource, load_pricing, save_pricing
-from metering.record import Latency, RecordStatus, TokenCounts, UsageRecord
+from metering.record import NO_MEDIA, Latency, MediaCounts, RecordStatus, TokenCounts, UsageRecord
 from metering.signer import NodeSigner
 from node.engine.scheduler import Event, Failed, Finished, Job
 from node.log_privacy import Safe
@@ -56,6 +56,17 @@ class Completion:
     model: str
 
 
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a job's record says of it, beside whom it is for (`Completion`): from the engine's outcome for a token
+    stream, or worked out by the handler of a job that is not one (an image render)."""
+
+    status: RecordStatus
+    counts: TokenCounts
+    latency: Latency
+    media: MediaCounts = NO_MEDIA
+
+
 def ensure_price_file(path: Path) -> bool:
     """Write the default price policy to `path` unless a file is there; True when it was written.
 
@@ -82,6 +93,14 @@ def usage_of(outcome: Finished | Failed) -> tuple[RecordStatus, TokenCounts]:
                                output_tokens=len(result.output_ids),
                                cached_write_1h_tokens=result.cached_write_1h_tokens,
                                cached_write_24h_tokens=result.cached_write_24h_tokens)
+
+
+def media_of(outcome: Finished | Failed) -> MediaCounts:
+    """The attachments of a job's prompt, encoded for it or reused; none for a failure (the engine reports none)."""
+    if isinstance(outcome, Failed):
+        return NO_MEDIA
+    result = outcome.result
+    return MediaCounts(attachments_encoded=result.attachments_encoded, attachments_reused=result.attachments_reused)
 
 
 def latency_of(outcome: Finished | Failed, total_s: float) -> Latency:
@@ -138,31 +157,28 @@ class Meter:
         return self.ledger.boot_id
 
     def _append(self, completion: Completion, outcome: Finished | Failed, latency: Latency) -> UsageRecord:
-        return self._append_counts(completion, *usage_of(outcome), latency)
+        return self._append_usage(completion, Usage(*usage_of(outcome), latency, media_of(outcome)))
 
-    def _append_counts(self, completion: Completion, status: RecordStatus, counts: TokenCounts,
-                       latency: Latency) -> UsageRecord:
+    def _append_usage(self, completion: Completion, usage: Usage) -> UsageRecord:
         return self.ledger.append(record_id=completion.record_id, caller_id=completion.caller_id,
-                                  model=completion.model, status=status, counts=counts,
-                                  prices=self.pricing.current(), latency=latency)
+                                  model=completion.model, status=usage.status, counts=usage.counts,
+                                  prices=self.pricing.current(), latency=usage.latency, media=usage.media)
 
     async def record(self, completion: Completion, outcome: Finished | Failed, latency: Latency) -> UsageRecord:
         """Sign and durably append the record of `outcome`, with the prices in force now."""
         return await asyncio.to_thread(self._append, completion, outcome, latency)
 
-    async def record_counts(self, completion: Completion, status: RecordStatus, counts: TokenCounts,
-                            latency: Latency) -> UsageRecord:
-        """Sign and durably append a record whose counts the caller worked out: a job that is not a token stream
+    async def record_usage(self, completion: Completion, usage: Usage) -> UsageRecord:
+        """Sign and durably append a record whose usage the caller worked out: a job that is not a token stream
         (an image render), with the prices in force now."""
-        return await asyncio.to_thread(self._append_counts, completion, status, counts, latency)
+        return await asyncio.to_thread(self._append_usage, completion, usage)
 
-    def record_when_done(self, completion: Completion,
-                         outcome: Awaitable[tuple[RecordStatus, TokenCounts, Latency]]) -> None:
+    def record_when_done(self, completion: Completion, outcome: Awaitable[Usage]) -> None:
         """Record, in the background, a job whose handler stopped listening (its client went away): once
-        `outcome` gives its status, counts and times. `close` waits for it as for followed jobs."""
+        `outcome` gives its usage. `close` waits for it as for followed jobs."""
         async def record() -> None:
             try:
-                await self.record_counts(completion, *await outcome)
+                await self.record_usage(completion, await outcome)
             except LedgerError as exc:
                 log.error("the usage of a cancelled job was not recorded: %s", Safe(exc))
 

@@ -3,9 +3,10 @@ node views, and the application that serves them.
 
 A request is checked (its body, its image decoded off the event loop under the attachment limits), refused before
 any compute when the node cannot meet its caller's requirements, queued for the media worker in its caller's turn
-(refused when the queue is full), and answered with the PNGs as base64 once its usage is on the ledger: one signed
-record per request under the id the response carries (`img-...`), counts only. A client that goes away cancels
-its job, at its next denoising step, and the job is still recorded.
+(a full queue answers 503 with a Retry-After, as the text queue does), and answered with the PNGs as base64 once
+its usage is on the ledger: one signed record per request under the id the response carries (`img-...`), counts
+only: the prompt's tokens, the conditionings encoded and reused, and the images, each at the image price. A client
+that goes away cancels its job, at its next denoising step, and the job is still recorded.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import base64
 import math
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from aiohttp import web
 from aiohttp.web_request import FileField
 
 from metering.ledger import LedgerError
-from metering.record import Latency, RecordStatus, TokenCounts
+from metering.record import NO_MEDIA, Latency, MediaCounts, RecordStatus, TokenCounts
 from node.api import identity, operations, records, rpc
 from node.api.app import NodeEngine, node_app
 from node.api.body import off_loop, read_body
@@ -39,7 +41,7 @@ from node.identity import NodeIdentity
 from node.media.image_request import ImageRequest, parse_edit_form, parse_edit_json, parse_generation
 from node.media.pipeline import Rendered
 from node.media.service import MediaService
-from node.meter import Completion, MeteringPaths
+from node.meter import Completion, MeteringPaths, Usage
 from node.metrics import NodeMetrics
 from node.tls import NodeCertificate
 from policies.node_policy import NodePolicy
@@ -58,6 +60,14 @@ def counts_of(rendered: Rendered, stored: bool) -> TokenCounts:
     reused = rendered.conditionings.reused > 0
     return TokenCounts(input_tokens=tokens, cached_read_tokens=tokens if reused else 0,
                        cached_write_tokens=tokens if stored and not reused else 0, output_tokens=0)
+
+
+def media_counts_of(rendered: Rendered) -> MediaCounts:
+    """What the signed record counts of the encoders and the output: the prompt's conditioning and an edit's
+    reference latents together (each computed, or taken from the caller's cache), and the images rendered."""
+    used = (rendered.conditionings, rendered.references)
+    return MediaCounts(conditionings_encoded=sum(use.encoded for use in used),
+                       conditionings_reused=sum(use.reused for use in used), images=len(rendered.images))
 
 
 def usage(counts: TokenCounts, rendered: Rendered) -> dict[str, Any]:
@@ -81,9 +91,10 @@ def _ms(seconds: float) -> int:
     return math.ceil(seconds * 1000)
 
 
-async def _outcome(job_done: asyncio.Future[Rendered], started: float, stored: bool
-                   ) -> tuple[RecordStatus, TokenCounts, Latency]:
-    """The record of a job once it ends: its status, counts (none unless it completed) and times."""
+async def _outcome(job_done: asyncio.Future[Rendered], started: float, stored: bool) -> Usage:
+    """The record of a job once it ends: its status, counts (none unless it completed: a job stopped part way
+    through is not charged for its images) and times."""
+    media = NO_MEDIA
     try:
         rendered = await job_done
     except asyncio.CancelledError:
@@ -92,9 +103,9 @@ async def _outcome(job_done: asyncio.Future[Rendered], started: float, stored: b
     except Exception:  # noqa: BLE001 - recorded as failed; the handler answers it
         status, counts = "failed", TokenCounts(0, 0, 0, 0)
     else:
-        status, counts = "completed", counts_of(rendered, stored)
+        status, counts, media = "completed", counts_of(rendered, stored), media_counts_of(rendered)
     total = _ms(time.perf_counter() - started)
-    return status, counts, Latency(queue_wait_ms=0, ttft_ms=0, total_ms=total)
+    return Usage(status, counts, Latency(queue_wait_ms=0, ttft_ms=0, total_ms=total), media)
 
 
 async def _respond(request: web.Request, caller: Caller, parsed: ImageRequest) -> web.Response:
@@ -116,11 +127,11 @@ async def _respond(request: web.Request, caller: Caller, parsed: ImageRequest) -
         job.cancel()
         meter.record_when_done(completion, _outcome(job.done, started, stored))
         raise
-    status, counts, latency = await _outcome(job.done, started, stored)
-    latency = Latency(queue_wait_ms=_ms(job.queue_wait_s), ttft_ms=0, total_ms=max(latency.total_ms,
+    ended = await _outcome(job.done, started, stored)
+    latency = Latency(queue_wait_ms=_ms(job.queue_wait_s), ttft_ms=0, total_ms=max(ended.latency.total_ms,
                                                                                     _ms(job.queue_wait_s)))
     try:
-        await meter.record_counts(completion, status, counts, latency)
+        await meter.record_usage(completion, replace(ended, latency=latency))
     except LedgerError as exc:
         raise Unavailable("the node could not record the usage of this request, so it is not delivered; retry "
                           "later", code="metering_unavailable", retry_after_s=METERING_RETRY_AFTER_S) from exc
@@ -137,7 +148,7 @@ async def _respond(request: web.Request, caller: Caller, parsed: ImageRequest) -
         "output_format": "png",
         "size": f"{render.request.width}x{render.request.height}",
         "seed": render.request.seed,
-        "usage": usage(counts, rendered),
+        "usage": usage(ended.counts, rendered),
     })
 
 

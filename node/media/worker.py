@@ -1,9 +1,9 @@
 """Media jobs queued fairly per caller and run one at a time on the pipeline's own worker thread.
 
 The queue is the text scheduler's (`node/engine/caller_queue.py`): each caller has a FIFO, callers are served
-round-robin, and at most `max_queue` jobs wait in all (a full queue refuses with QueueFullError, the node's 429
-family). A render holds the whole device for its denoising steps, so jobs run one after another, not batched; a
-cancelled job leaves the queue at once, or stops at its next denoising step.
+round-robin, and at most `max_queue` jobs wait in all (a full queue refuses with QueueFullError: 503 with a
+Retry-After, as the text queue's). A render holds the whole device for its denoising steps, so jobs run one after
+another, not batched; a cancelled job leaves the queue at once, or stops at its next denoising step.
 """
 
 from __future__ import annotations

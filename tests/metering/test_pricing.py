@@ -41,11 +41,12 @@ def test_save_writes_the_documented_file_and_round_trips(tmp_path: Path) -> None
     path = tmp_path / "home" / "pricing.yaml"
     save_pricing(path, DEFAULT_PRICING)
     assert path.read_text() == (
-        "# Prices per token in integer wei.\n"
+        "# Prices in integer wei: per token, and per image (image_price_wei).\n"
         "input_price_wei: 1000000000\n"
         "output_price_wei: 4000000000\n"
         "cached_read_price_wei: 100000000\n"
         "cached_write_price_wei: 1250000000\n"
+        "image_price_wei: 0\n"
     )
     assert load_pricing(path) == DEFAULT_PRICING
     assert sorted(os.listdir(path.parent)) == ["pricing.yaml"]  # no temporary file left behind
@@ -113,6 +114,7 @@ def test_price_fields_in_file_order() -> None:
         "cached_write_price_wei",
         "cached_write_1h_price_wei",
         "cached_write_24h_price_wei",
+        "image_price_wei",
     )
 
 
@@ -128,6 +130,21 @@ def test_class_write_prices_are_optional_default_to_the_write_price_and_round_tr
     assert (new.write_1h_price_wei, new.write_24h_price_wei) == (20, 30)
     with pytest.raises(PricingError, match="cached_write_1h_price_wei must be a non-negative integer"):
         PriceSchedule(1, 1, 1, 1, -1)
+
+
+def test_the_image_price_is_optional_zero_when_left_out_and_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "pricing.yaml"
+    path.write_text(VALID_YAML)
+    assert load_pricing(path).image_price_wei == 0  # a file from before image prices: images cost no more
+    assert load_pricing(path).to_mapping()["image_price_wei"] == 0  # shown as 0, not left out
+    path.write_text(VALID_YAML + "image_price_wei: 2500\n")
+    assert load_pricing(path) == PriceSchedule(1000, 4000, 100, 1250, image_price_wei=2500)
+    save_pricing(path, PriceSchedule(1, 2, 3, 4, image_price_wei=5))
+    assert load_pricing(path).image_price_wei == 5
+    with pytest.raises(PricingError, match="image_price_wei must be a non-negative integer"):
+        PriceSchedule(1, 1, 1, 1, image_price_wei=-1)
+    with pytest.raises(PricingError, match="image_price_wei must be a non-negative integer"):
+        PriceSchedule(1, 1, 1, 1, image_price_wei=None)  # type: ignore[arg-type]
 
 
 def test_source_picks_up_a_saved_change_without_restart(tmp_path: Path) -> None:

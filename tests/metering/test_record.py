@@ -10,11 +10,13 @@ from ledger_fixtures import EVIDENCE_DIGEST, NODE_SEED, PRICES
 
 from metering.pricing import DEFAULT_PRICING, PriceSchedule
 from metering.record import (
+    NO_MEDIA,
     RECORD_FIELDS,
     UNSIGNED,
     ZERO_HASH,
     CostMismatch,
     Latency,
+    MediaCounts,
     RecordError,
     TokenCounts,
     UsageRecord,
@@ -196,6 +198,12 @@ def test_record_carries_counts_times_and_ids_only() -> None:
         "cached_write_1h_price_wei",
         "cached_write_24h_tokens",
         "cached_write_24h_price_wei",
+        "attachments_encoded",
+        "attachments_reused",
+        "conditionings_encoded",
+        "conditionings_reused",
+        "images",
+        "image_price_wei",
     )
 
 
@@ -231,6 +239,48 @@ def test_a_class_write_is_signed_with_its_price_and_only_then_in_the_json() -> N
         replace(record, cached_write_1h_price_wei=21)
 
 
+IMAGE_PRICES = PriceSchedule(10, 40, 1, 12, image_price_wei=1000)
+
+
+def test_images_are_charged_at_the_image_price_and_encodings_at_nothing() -> None:
+    counts = TokenCounts(7, 0, 7, 0)
+    # 7 cached writes * 12 + 2 images * 1000; the conditionings are counted, not priced.
+    media = MediaCounts(conditionings_encoded=1, images=2)
+    assert cost_wei(counts, IMAGE_PRICES, media) == 84 + 2000 == 2084
+    assert cost_wei(counts, IMAGE_PRICES, MediaCounts(attachments_encoded=3, attachments_reused=5,
+                                                      conditionings_reused=2)) == 84
+    assert cost_wei(counts, PriceSchedule(10, 40, 1, 12), media) == 84  # no image price: images add nothing
+    with pytest.raises(RecordError, match="images must be a non-negative integer, got -1"):
+        MediaCounts(images=-1)
+
+
+def test_media_counts_are_signed_and_in_the_json_only_when_not_zero() -> None:
+    media = MediaCounts(conditionings_encoded=1, conditionings_reused=1, images=2)
+    record = make_draft(counts=TokenCounts(7, 0, 7, 0), prices=IMAGE_PRICES, media=media,
+                        latency=Latency(3, 0, 900))
+    assert (record.media, record.image_price_wei, record.cost_wei) == (media, 1000, 2084)
+    obj = record.to_json()
+    assert {name: obj[name] for name in obj if name.startswith(("conditionings", "image"))} == {
+        "conditionings_encoded": 1, "conditionings_reused": 1, "images": 2, "image_price_wei": "1000"}
+    assert "attachments_encoded" not in obj and "attachments_reused" not in obj
+    assert UsageRecord.from_json(obj) == record
+    chat = make_draft(media=MediaCounts(attachments_encoded=1, attachments_reused=2), prices=IMAGE_PRICES)
+    chat_obj = chat.to_json()
+    assert (chat_obj["attachments_encoded"], chat_obj["attachments_reused"]) == (1, 2)
+    assert "images" not in chat_obj and "image_price_wei" not in chat_obj  # no image: its price is not named
+    assert chat.cost_wei == make_draft(prices=IMAGE_PRICES).cost_wei  # attachments add nothing to the cost
+    with pytest.raises(RecordError, match="attachments_reused is a member only when it is not 0"):
+        UsageRecord.from_json({**chat_obj, "attachments_reused": 0})
+    with pytest.raises(RecordError, match="images and image_price_wei are members together"):
+        UsageRecord.from_json({k: v for k, v in obj.items() if k != "image_price_wei"})
+    with pytest.raises(RecordError, match="must be 0 when images is 0"):
+        replace(chat, image_price_wei=5)
+    with pytest.raises(CostMismatch, match="counts and prices give 2084"):
+        replace(record, cost_wei=84)
+    with pytest.raises(CostMismatch):
+        replace(record, image_price_wei=999)
+
+
 NODE_KEY_ID = "56475aa75463474c"  # key_id of NODE_SEED's public key
 SIGNATURE = (
     "979877b73b53a2cc42fb48ab34cb325de5b7d49f69c232ac5ae628daa727db97"
@@ -261,6 +311,12 @@ def test_exact_signing_payload_signature_and_line() -> None:
         b',"status"', b',"signature":"' + SIGNATURE.encode() + b'","status"'
     )
     assert record.entry_hash() == "741caff22c380ba5535b8df2038d61ee4ba6f8f84640c5ee560c93e45b22a671"
+
+
+def test_a_record_without_media_keeps_the_bytes_it_had_before_media_counts() -> None:
+    # An image price in force names nothing in a record without images: text records sign what they always did.
+    priced = make_draft(media=NO_MEDIA, prices=replace(DEFAULT_PRICING, image_price_wei=5))
+    assert priced.signing_payload() == PAYLOAD
 
 
 def test_json_round_trip_with_wei_as_strings() -> None:

@@ -17,8 +17,8 @@ from metering.canonical import canonical_json, parse_canonical
 from metering.ledger import Ledger
 from metering.merkle import MerkleTree
 from metering.pricing import PriceSchedule
-from metering.record import ZERO_HASH, Latency, TokenCounts
-from metering.segment import SegmentFormatError
+from metering.record import ZERO_HASH, Latency, MediaCounts, TokenCounts, UsageRecord
+from metering.segment import SegmentFormatError, read_segment
 from metering.signer import NodeSigner, SignatureInvalid, signed_payload
 from metering.tree_head import TreeHead
 from metering.verify import PROBLEM_KINDS, Problem, VerifyReport, verify_ledger, verify_segment
@@ -80,6 +80,39 @@ def test_class_writes_verify_beside_records_without_them_and_their_price_is_sign
     lines[-1] = lines[-1].replace(b'"cached_write_1h_price_wei":"8"', b'"cached_write_1h_price_wei":"5"')
     write_lines(ledger.path, lines)
     assert where(verify(ledger, node_signer))[:2] == ("bad-signature", 8)
+
+
+OLD_MEDIA_SEGMENT = Path(__file__).parent / "data" / "ledger-boot-before-media.jsonl"
+"""Written by the ledger before records counted media: NODE_SEED's key, EVIDENCE_DIGEST; standard record 0, a record
+with 1h and 24h writes, and an image node's record (counts only)."""
+
+
+def test_a_segment_written_before_media_counts_verifies_and_keeps_its_bytes(node_signer: NodeSigner) -> None:
+    report = verify_segment(OLD_MEDIA_SEGMENT, node_signer.public_key_hex)
+    assert (report.ok, report.good_records) == (True, 3)
+    lines = [line.raw for line in read_segment(OLD_MEDIA_SEGMENT).lines[1:]]
+    assert [UsageRecord.from_json(parse_canonical(line)).canonical_bytes() for line in lines] == lines
+
+
+def test_images_are_verified_at_the_image_price(ledger: Ledger, node_signer: NodeSigner) -> None:
+    prices = PriceSchedule(3, 11, 1, 5, image_price_wei=700)
+    ledger.append(record_id="img-1", caller_id="caller-a", model="tiny-diffusion", status="completed",
+                  counts=TokenCounts(7, 0, 7, 0), prices=prices, latency=Latency(1, 0, 900),
+                  media=MediaCounts(conditionings_encoded=1, images=2))
+    ledger.append(record_id="chatcmpl-6", caller_id="caller-a", model="tiny", status="completed",
+                  counts=TokenCounts(50, 40, 0, 2), prices=prices, latency=Latency(1, 2, 3),
+                  media=MediaCounts(attachments_encoded=1, attachments_reused=1))
+    assert (verify(ledger, node_signer).ok, verify(ledger, node_signer).good_records) == (True, 8)
+    lines = lines_of(ledger.path)
+    image = parse_canonical(lines[-2])
+    # 7 cached writes * 5 + 2 images * 700
+    assert (image["cost_wei"], image["images"], image["image_price_wei"]) == ("1435", 2, "700")
+    assert b"image" not in lines[-1] and b'"attachments_encoded":1,"attachments_reused":1' in lines[-1]
+    for wrong in ({"cost_wei": "35"}, {"image_price_wei": "0"}, {"images": 3}):
+        changed = [*lines[:-2], resigned(lines[-2], node_signer, **wrong), lines[-1]]
+        write_lines(ledger.path, changed)
+        kind, line, seq, record_id, good = where(verify(ledger, node_signer))
+        assert (kind, line, seq, record_id, good) == ("cost-mismatch", 8, 6, "img-1", 6), wrong
 
 
 def test_empty_segment_verifies(make_ledger: LedgerFactory, node_signer: NodeSigner) -> None:

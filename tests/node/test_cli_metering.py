@@ -429,6 +429,7 @@ def test_pricing_set_starts_from_defaults_and_show(
         "price-per-cached-write-token-wei: 1250000000",
         "price-per-cached-write-1h-token-wei: 1250000000 (the cached write price)",
         "price-per-cached-write-24h-token-wei: 1250000000 (the cached write price)",
+        "price-per-image-wei: 0",
     ]
     assert load_pricing(path) == PriceSchedule(7, 4_000_000_000, 1, 1_250_000_000)
 
@@ -439,11 +440,12 @@ def test_pricing_set_starts_from_defaults_and_show(
     assert out.splitlines()[0] == f"prices in {path}"
     assert out.splitlines()[2] == "output-price-wei: 9"
     code, out = run(["provider", "pricing", "set", "--price-per-cached-write-1h-token-wei", "2000000000",
-                     "--price-per-cached-write-24h-token-wei", "3000000000"], capsys)
-    assert load_pricing(path) == PriceSchedule(7, 9, 1, 1_250_000_000, 2_000_000_000, 3_000_000_000)
+                     "--price-per-cached-write-24h-token-wei", "3000000000", "--price-per-image-wei", "40"], capsys)
+    assert load_pricing(path) == PriceSchedule(7, 9, 1, 1_250_000_000, 2_000_000_000, 3_000_000_000, 40)
     code, out = run(["provider", "pricing", "show"], capsys)
-    assert out.splitlines()[-2:] == ["price-per-cached-write-1h-token-wei: 2000000000",
-                                     "price-per-cached-write-24h-token-wei: 3000000000"]
+    assert out.splitlines()[-3:] == ["price-per-cached-write-1h-token-wei: 2000000000",
+                                     "price-per-cached-write-24h-token-wei: 3000000000",
+                                     "price-per-image-wei: 40"]
 
 
 def test_pricing_with_explicit_file_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from cache.arena import Scope
 from metering.pricing import DEFAULT_PRICING, PriceSchedule, load_pricing, save_pricing
-from metering.record import Latency, TokenCounts
+from metering.record import NO_MEDIA, Latency, MediaCounts, TokenCounts
 from metering.signer import NodeSigner
 from node.api.app import create_app
 from node.api.keys import METER
@@ -30,6 +31,7 @@ from node.meter import (
     MeteringPaths,
     ensure_price_file,
     latency_of,
+    media_of,
     usage_of,
 )
 from node.service import ModelService
@@ -54,6 +56,13 @@ def result(finish_reason: str, output: int = 3, queue_wait_s: float = 0.0, ttft_
 ], ids=["stop", "length", "cancelled-mid-decode", "cancelled-while-queued", "failed"])
 def test_usage_of_an_outcome(outcome: Finished | Failed, status: str, counts: TokenCounts) -> None:
     assert usage_of(outcome) == (status, counts)
+
+
+def test_media_of_an_outcome_counts_its_attachments() -> None:
+    with_images = replace(result("stop"), attachments_encoded=1, attachments_reused=2)
+    assert media_of(Finished(with_images)) == MediaCounts(attachments_encoded=1, attachments_reused=2)
+    assert media_of(Finished(result("stop"))) == NO_MEDIA
+    assert media_of(Failed(RuntimeError("model fault"))) == NO_MEDIA
 
 
 @pytest.mark.parametrize(("outcome", "total_s", "latency"), [

@@ -16,6 +16,9 @@ import pytest
 import torch
 from PIL import Image
 
+from metering.record import MediaCounts
+from metering.segment import read_records, segment_files
+from metering.verify import verify_ledger
 from node.engine.synthetic import init_model
 from tests.node.conftest import Node, node_view, start_node, stop_node
 
@@ -144,3 +147,33 @@ def test_four_callers_at_once_get_what_each_gets_alone(node: Node) -> None:
     assert [a["choices"][0]["message"]["content"] for a in at_once] == \
         [a["choices"][0]["message"]["content"] for a in one_by_one]
     assert [a["usage"]["attachments"]["encoded"] for a in one_by_one] == [0, 0, 0, 0]  # the second time: restored
+
+
+def test_the_signed_records_count_an_image_encoded_then_reused_and_verify_offline(node: Node) -> None:
+    """One image sent twice in a conversation: its records say encoded 1, then reused 1 (counts, no digest), and the
+    ledger verifies with the audit's own verifier."""
+    key = node.add_key("erin")
+    picture = image_part(png(20))
+    first = chat(node, key, [ask("what is this?", picture)])
+    history = [ask("what is this?", picture), {"role": "assistant", "content": first.choices[0].message.content},
+               {"role": "user", "content": "and its colour?"}]
+    second = chat(node, key, history)
+
+    async def record(record_id: str) -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session, session.get(
+                node.base + "/generation", params={"id": record_id},
+                headers={"Authorization": f"Bearer {key}"}) as response:
+            assert response.status == 200
+            return dict(await response.json())
+
+    records = [asyncio.run(record(answer.id)) for answer in (first, second)]
+    assert [{name: value for name, value in found.items() if name.startswith(("attachments", "conditionings",
+                                                                            "image"))}
+            for found in records] == [{"attachments_encoded": 1}, {"attachments_reused": 1}]
+    assert [found["input_tokens"] for found in records] == [first.usage.prompt_tokens, second.usage.prompt_tokens]
+    ledger = node.config.parent / "home" / "ledger"
+    reports = verify_ledger(ledger)
+    assert reports and all(report.ok for report in reports), [str(report.problem) for report in reports]
+    signed = {record.record_id: record.media for path in segment_files(ledger) for record in read_records(path)[1]}
+    assert [signed[first.id], signed[second.id]] == [MediaCounts(attachments_encoded=1),
+                                                     MediaCounts(attachments_reused=1)]
