@@ -28,11 +28,11 @@ run: $(STAMP)
 # process, so its module fixtures are built once. Every test process and server runs torch on one thread.
 PARALLEL := -n auto --maxprocesses 4 --dist loadfile
 
-# The whole suite, then the engine and server tests again on transformers' forward (TENZRO_NATIVE=off), so
-# both forward paths are tested on a machine that runs the native kernels; where they do not load, the first pass
-# already ran transformers' forward and the second would repeat it. -rs prints every skip's reason.
-FORWARD_TESTS := tests/node/engine tests/node/test_server.py tests/node/test_reuse_matrix.py \
-	tests/node/test_metering_node.py
+# The whole suite, then the engine tests and the reuse matrix again on transformers' forward (TENZRO_NATIVE=off),
+# so both forward paths are tested on a machine that runs the native kernels; where they do not load, the first
+# pass already ran transformers' forward and the second would repeat it. The server's API, metering and hostile
+# input do not depend on the forward: they run once. -rs prints every skip's reason.
+FORWARD_TESTS := tests/node/engine tests/node/test_reuse_matrix.py
 NATIVE_LOADS := from node.engine.cpu_kernels import load_kernels; found = load_kernels(); print(found.reason); \
 	raise SystemExit(found.kernels is None)
 test: $(STAMP)

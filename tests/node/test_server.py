@@ -281,8 +281,8 @@ def test_models_and_metrics(node_factory, small_model_dir: Path) -> None:
 
 def test_the_node_says_which_forward_its_model_runs_and_why(node: Node, small_model_dir: Path) -> None:
     """The same choice as an in-process load on this machine, in the start log, `GET /v1/node` and `/metrics`:
-    `native-cpu` where the kernels load, `library` under TENZRO_NATIVE=off (`make test`'s second pass) or where
-    they do not, so the two passes check both backends."""
+    `native-cpu` where the kernels load, `library` under TENZRO_NATIVE=off or where they do not (the engine tests
+    check both choices on every machine: `test_cpu_decoder.py`, `test_cpu_kernels.py`)."""
     expected = load_model(small_model_dir.name, small_model_dir).forward
     if os.environ.get("TENZRO_NATIVE") == "off":
         assert (expected.backend, expected.reason) == ("library", "switched off by TENZRO_NATIVE=off")
