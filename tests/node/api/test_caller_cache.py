@@ -13,16 +13,11 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from cache.arena import new_prefix_cache
-from cache.budget import CacheBudget
-from node.api.app import create_app
 from node.api.keys import SERVICE
-from node.config import Limits, add_key, load_config
+from node.config import add_key
 from node.engine.loader import LoadedModel, load_model
-from node.identity import NodeIdentity
-from node.meter import MeteringPaths, ensure_price_file
 from node.service import ModelService
-from policies.node_policy import load_node_policy
+from tests.node.in_process import serve
 
 PROMPT = list(range(300, 340))
 
@@ -30,18 +25,6 @@ PROMPT = list(range(300, 340))
 @pytest.fixture(scope="module")
 def small_loaded(small_model_dir: Path) -> LoadedModel:
     return load_model(small_model_dir.name, small_model_dir)
-
-
-async def serve(aiohttp_client: Any, tmp_path: Path, loaded: LoadedModel) -> TestClient:
-    """A node in process with reuse on (plaintext state: no sealing cost to measure) and no callers yet."""
-    config_path = tmp_path / "node.yaml"
-    service = ModelService.create(loaded, new_prefix_cache(CacheBudget(1 << 30, 1 << 30), sealed=False),
-                                  Limits(max_queue=8))
-    paths = MeteringPaths(ledger_dir=tmp_path / "ledger", pricing_file=tmp_path / "pricing.yaml")
-    ensure_price_file(paths.pricing_file)
-    app = create_app(load_config(config_path), config_path, service, paths, NodeIdentity.start(),
-                     load_node_policy("standard"))
-    return await aiohttp_client(app)
 
 
 def bearer(key: str) -> dict[str, str]:

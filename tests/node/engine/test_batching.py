@@ -57,6 +57,12 @@ def reuse_runner(loaded: LoadedModel, prefill_chunk: int = 64) -> ModelRunner:
     return sealed_runner(loaded, prefill_chunk=prefill_chunk)
 
 
+def alone(loaded: LoadedModel, batch: list[GenerationRequest]) -> list[list[int]]:
+    """Each request's output run alone, with reuse off: what it must get in any batch."""
+    runner = ModelRunner(loaded, None)
+    return [runner.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+
+
 async def outcome(job: Job) -> GenerationResult:
     while True:
         event = await asyncio.wait_for(job.events.get(), 120)
@@ -87,8 +93,7 @@ async def run_together(runner: ModelRunner, batch: list[GenerationRequest], max_
 async def test_concurrent_callers_get_what_they_get_alone(family: str, tmp_path: Path) -> None:
     loaded = load(family, init_model(family, tmp_path / family, size="small"))
     batch = requests(loaded.model_id)
-    alone = ModelRunner(loaded, None)
-    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+    expected = alone(loaded, batch)
     runner = reuse_runner(loaded)
     # Callers 0 and 1 stored the first part of their prompt before: they resume there.
     for request in batch[:2]:
@@ -106,8 +111,7 @@ async def test_more_requests_than_lanes_all_complete(small_model_dir: Path) -> N
     loaded = load("small", small_model_dir)
     batch = requests(loaded.model_id) + [GenerationRequest(Scope("caller-0", loaded.model_id), tokens(40, 50),
                                                            SamplingParams(max_tokens=5, temperature=0.0))]
-    alone = ModelRunner(loaded, None)
-    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+    expected = alone(loaded, batch)
     results = await run_together(reuse_runner(loaded), batch, max_running=2)
     assert [result.output_ids for result in results] == expected
 
@@ -115,8 +119,7 @@ async def test_more_requests_than_lanes_all_complete(small_model_dir: Path) -> N
 async def test_requests_in_reserved_lanes_allocate_nothing_and_get_what_they_get_alone(small_model_dir: Path) -> None:
     loaded = load("small", small_model_dir)
     batch = requests(loaded.model_id)
-    alone = ModelRunner(loaded, None)
-    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+    expected = alone(loaded, batch)
     runner = reuse_runner(loaded)
     lanes = runner.reuse.lanes
     assert lanes is not None and lanes.row_bytes(0) == 0  # no request ran in lane 0 yet
@@ -140,8 +143,7 @@ async def test_a_step_prefills_128_tokens_per_running_request(small_model_dir: P
     loaded = load("small", small_model_dir)
     batch = [GenerationRequest(Scope(f"caller-{i}", loaded.model_id), tokens(50 + i, 96),
                                SamplingParams(max_tokens=5, temperature=0.0)) for i in range(4)]
-    alone = ModelRunner(loaded, None)
-    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+    expected = alone(loaded, batch)
     runner = reuse_runner(loaded, prefill_chunk=16)
     scheduler = Scheduler(runner, max_queue=16)
     jobs = [scheduler.submit(request.scope.caller, request) for request in batch]  # all admitted in one step
@@ -261,8 +263,7 @@ async def test_requests_that_end_in_the_same_step_keep_their_state(small_model_d
     follow = [GenerationRequest(request.scope, request.prompt + reply.output_ids + tokens(7, 9),
                                 SamplingParams(max_tokens=6, temperature=0.0))
               for request, reply in zip(first, replies, strict=True)]
-    alone = ModelRunner(loaded, None)
-    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in follow]
+    expected = alone(loaded, follow)
     results = await run_together(runner, follow)
     assert [result.output_ids for result in results] == expected
     assert [result.cached_read_tokens for result in results] == [64, 64]  # prompt and reply
@@ -275,8 +276,7 @@ async def test_a_failed_feed_of_last_tokens_stores_nothing_and_replies(small_mod
     loaded = load("small", small_model_dir)
     first = [GenerationRequest(Scope(name, "small"), tokens(seed, 60), SamplingParams(max_tokens=4, temperature=0.0))
              for seed, name in enumerate(("alice", "bob"))]
-    alone = ModelRunner(loaded, None)
-    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in first]
+    expected = alone(loaded, first)
     runner = reuse_runner(loaded, prefill_chunk=256)
     step = runner._batched.step
 
@@ -322,8 +322,7 @@ async def test_one_callers_sequences_attend_their_shared_rows_once(family: str, 
     loaded = load(family, init_model(family, tmp_path / family, size="small"))
     # 24-token replies overlap even where prompts are computed in turns (gemma3's sliding layers copy no rows).
     batch = one_callers_requests(loaded.model_id, scope="agent", max_tokens=24)
-    alone = ModelRunner(loaded, None)
-    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+    expected = alone(loaded, batch)
     runner = reuse_runner(loaded)
     results = await run_together(runner, batch)
     assert [result.output_ids for result in results] == expected
@@ -346,8 +345,7 @@ async def test_one_callers_requests_copy_the_prompt_rows_another_computes(small_
     it, the others wait for its rows and copy them (billed as cached reads), and each reply is its own."""
     loaded = load("small", small_model_dir)
     batch = one_callers_requests(loaded.model_id, scope="agent")
-    alone = ModelRunner(loaded, None)
-    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+    expected = alone(loaded, batch)
     runner = reuse_runner(loaded)  # 64-token chunks: the followers wait through five of the first one's
     results = await run_together(runner, batch)
     assert [result.output_ids for result in results] == expected
@@ -365,8 +363,7 @@ async def test_one_callers_requests_copy_the_state_of_a_model_that_resumes_at_sn
     system = tokens(99, 300)  # then a user message long enough for every request to snapshot where it starts
     batch = [GenerationRequest(Scope("agent", loaded.model_id), system + tokens(i, 40 + 7 * i),
                                SamplingParams(max_tokens=8, temperature=0.0), boundaries=(300,)) for i in range(4)]
-    alone = ModelRunner(loaded, None)
-    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+    expected = alone(loaded, batch)
     runner = reuse_runner(loaded)
     assert runner.loaded.state is not None and runner.loaded.state.needs_snapshots
     results = await run_together(runner, batch)
@@ -376,7 +373,7 @@ async def test_one_callers_requests_copy_the_state_of_a_model_that_resumes_at_sn
                               boundaries=(300,))
     result = runner.generate(again, lambda _: None, lambda: False)
     assert result.cached_read_tokens == 300
-    assert result.output_ids == alone.generate(again, lambda _: None, lambda: False).output_ids
+    assert [result.output_ids] == alone(loaded, [again])
 
 
 async def test_a_request_without_retention_neither_copies_nor_gives_rows(small_model_dir: Path) -> None:
@@ -471,7 +468,7 @@ def test_a_batched_step_of_recurrent_layers_continues_each_sequences_state(famil
     loaded = load(family, init_model(family, tmp_path / family, size="small"))
     assert batch_blocker(loaded.model) is None
     prompts = [tokens(i, 20 + 31 * i) for i in range(3)]
-    alone = [prefilled(loaded, prompt) for prompt in prompts]
+    single = [prefilled(loaded, prompt) for prompt in prompts]
     together = [prefilled(loaded, prompt) for prompt in prompts]
     assert all(batchable(cache) for cache in together)
     steps = BatchedDecode(loaded.model)
@@ -479,11 +476,11 @@ def test_a_batched_step_of_recurrent_layers_continues_each_sequences_state(famil
         ids, positions = [500 + step + i for i in range(3)], [len(prompt) + step for prompt in prompts]
         got = steps.step(ids, positions, together, loaded.device)
         for row in range(3):
-            want = loaded.forward.prefill([ids[row]], positions[row], alone[row]).logits()
+            want = loaded.forward.prefill([ids[row]], positions[row], single[row]).logits()
             assert float((got[row] - want).abs().max() / want.abs().max()) < 1e-5, (family, step, row)
             assert int(got[row].argmax()) == int(want.argmax())
     assert loaded.state is not None
-    for mine, twin in zip(together, alone, strict=True):
+    for mine, twin in zip(together, single, strict=True):
         for got_piece, want_piece in zip(loaded.state.snapshot(mine), loaded.state.snapshot(twin), strict=True):
             for a, b in zip(got_piece, want_piece, strict=True):
                 if isinstance(a, RecurrentPiece) and isinstance(b, RecurrentPiece):

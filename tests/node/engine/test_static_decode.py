@@ -22,7 +22,7 @@ from node.engine.runner import GenerationRequest, ModelRunner
 from node.engine.sampling import SamplingParams
 from node.engine.synthetic import init_model
 from tests.node.conftest import TEST_DEVICE
-from tests.node.engine.test_batching import load, requests, reuse_runner, run_together, tokens
+from tests.node.engine.test_batching import alone, load, requests, reuse_runner, run_together, tokens
 
 FULL_ATTENTION = ["llama", "qwen2-moe"]
 """Families whose every layer is full attention: their steps run over the slabs."""
@@ -45,8 +45,7 @@ def static_runner(loaded: LoadedModel, lanes: int, rows: int = 1024) -> ModelRun
 async def test_callers_decoding_over_the_slabs_get_what_they_get_alone(family: str, tmp_path: Path) -> None:
     loaded = load(family, init_model(family, tmp_path / family, size="small"))
     batch = requests(loaded.model_id)
-    alone = ModelRunner(loaded, None)
-    expected = [alone.generate(request, lambda _: None, lambda: False).output_ids for request in batch]
+    expected = alone(loaded, batch)
     runner = static_runner(loaded, 4)
     for request in batch[:2]:  # callers 0 and 1 resume where they stored the first part of their prompt
         runner.generate(GenerationRequest(request.scope, request.prompt[:-11], SamplingParams(max_tokens=1)),
