@@ -71,7 +71,7 @@ class ModelRunner:
         rows = self.reuse.reserve_lanes(lanes, budget, contiguous=static)
         slabs = self.reuse.lanes.slabs if self.reuse.lanes is not None else {}
         if static and slabs:
-            self._batched.go_static(slabs, capture=self.forward.device.type == "cuda")
+            self._batched.go_static(slabs, capture=self.forward.device.type == "cuda").prepare()
         return rows
 
     def engine_config(self) -> dict[str, Any]:

@@ -15,10 +15,12 @@ row's own cache, ragged and moving, so it cannot be captured. This one can:
   under a mask that keeps rows `[0, length]`, through the model's own SDPA attention function. A lane with no
   sequence in the step writes into the scratch lane, attends one row, and its result is dropped: no row's result
   depends on another row's values (attention reads only the row's own lane; every other operation is per row).
-- Each (M, L) is captured once, on first use, after one eager run of the same step (the warm-up a capture needs;
-  it writes the same keys and values the replay writes again); the graphs share one memory pool. Its inputs are one
-  static `[4, M]` tensor (token, position, length, write lane), copied in before each replay. Off CUDA (the CPU
-  tests) the same step runs eagerly, which is how its results are checked against the per-row step.
+- Every (M, L) is captured at start (`prepare`), over idle inputs (every lane writes into the scratch lane), each
+  after one eager run of the same step (the warm-up a capture needs); the graphs share one memory pool. So no
+  request waits for a capture, and no step's time tells whether an earlier step, another caller's, used its size
+  first. A step's inputs are one static `[4, M]` tensor (token, position, length, write lane), copied in before
+  each replay. Off CUDA (the CPU tests) the same step runs eagerly, which is how its results are checked against
+  the per-row step.
 
 It takes a step when every row's working cache is plain full attention in the slab, with room for the new row:
 sliding-window and recurrent layers, a lane that outgrew its rows, rows still opening or held by reference first
@@ -127,9 +129,34 @@ class StaticDecode:
         self.steps = 0
 
     def describe(self) -> dict[str, Any]:
-        """`GET /v1/node`: whether steps are captured, why, and the sizes they take (fixed at start)."""
-        return {"graphs": self.capture, "reason": self.reason, "batches": [size for size in BATCHES
-                                                                           if size < self.lanes] + [self.lanes]}
+        """`GET /v1/node`: whether steps are captured, why, and the sizes and history lengths they take (fixed at
+        start)."""
+        return {"graphs": self.capture, "reason": self.reason, "batches": self._sizes(), "lengths": self._lengths()}
+
+    def _sizes(self) -> list[int]:
+        return [size for size in BATCHES if size < self.lanes] + [self.lanes]
+
+    def _lengths(self) -> list[int]:
+        lengths, length = [], FIRST_LENGTH
+        while length < self.rows:
+            lengths.append(length)
+            length *= 2
+        return [*lengths, self.rows]
+
+    @torch.inference_mode()
+    def prepare(self) -> int:
+        """At start: capture the step of every size and history length (`describe`), over idle inputs: every lane
+        writes into the scratch lane, so nothing a lane holds changes. Returns the graphs captured (0 off CUDA, or
+        once a capture failed: steps then run eagerly)."""
+        if not self.capture:
+            return 0
+        self.inputs.zero_()
+        self.inputs[3].fill_(self.lanes)
+        for rows in self._sizes():
+            for length in self._lengths():
+                if self._captured(rows, length) is None:
+                    return 0
+        return len(self._graphs)
 
     def place(self, caches: Sequence[DynamicCache]) -> Placed | None:
         """Where the sequences holding `caches` are in the slab, or None where any is not (a step then runs per
@@ -196,19 +223,26 @@ class StaticDecode:
         return logits[torch.tensor(placed.lanes, device=logits.device)].float()
 
     def _replay(self, rows: int, length: int) -> torch.Tensor:
-        captured = self._graphs.get((rows, length))
-        if captured is None:
-            try:
-                captured = self._capture(rows, length)
-            except Exception as exc:  # the step still runs, eagerly, and so do the next ones
-                self.capture = False
-                self.reason = f"capturing a decode step failed ({type(exc).__name__}): decode steps run eagerly"
-                log.warning("%s", self.reason)
-                return self._run(rows, length)
-            self._graphs[(rows, length)] = captured
+        captured = self._captured(rows, length)
+        if captured is None:  # the step still runs, eagerly, and so do the next ones
+            return self._run(rows, length)
         graph, logits = captured
         graph.replay()
         return logits
+
+    def _captured(self, rows: int, length: int) -> tuple[Any, torch.Tensor] | None:
+        """The step's graph, captured now if it was not at start; None once a capture failed."""
+        captured = self._graphs.get((rows, length))
+        if captured is None:
+            try:
+                captured = self._graphs[(rows, length)] = self._capture(rows, length)
+            except Exception as exc:
+                self.capture = False
+                self.reason = f"capturing a decode step failed ({type(exc).__name__}): decode steps run eagerly"
+                log.warning("%s", self.reason)
+                self._graphs.clear()
+                return None
+        return captured
 
     def _capture(self, rows: int, length: int) -> tuple[Any, torch.Tensor]:
         """A graph of the step over lanes `[0, rows)` and `length` rows of history, and its logits tensor. The

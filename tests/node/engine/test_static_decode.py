@@ -58,7 +58,7 @@ async def test_callers_decoding_over_the_slabs_get_what_they_get_alone(family: s
     assert state["static_steps"] == state["decode_steps"] > 0 and state["largest_batch"] >= 2
     graphs = TEST_DEVICE == "cuda"
     assert state["static_decode"] == {
-        "graphs": graphs, "batches": [1, 2, 4],
+        "graphs": graphs, "batches": [1, 2, 4], "lengths": [256, 512, 1024],
         "reason": ("decode steps replay as CUDA graphs, one per batch size and history length" if graphs
                    else f"decode steps run eagerly over the lanes' slabs on {TEST_DEVICE}")}
 
@@ -103,6 +103,40 @@ def test_a_step_over_some_lanes_matches_the_per_row_step_and_leaves_the_other_la
             end = layer.get_seq_length()
             assert torch.allclose(keys[index, :, :end], layer.keys[0], atol=1e-5)
             assert torch.allclose(values[index, :, :end], layer.values[0], atol=1e-5)
+
+
+def test_every_step_size_is_prepared_at_start_over_idle_inputs_that_change_no_lane(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`prepare` captures the step of every batch size and history length before any request (on this CPU the
+    capture is stood in for by the warm-up's eager run): lanes holding sequences' rows are left as they were, and a
+    failed capture leaves every step eager, with its reason."""
+    loaded = load("llama", init_model("llama", tmp_path / "llama", size="small"))
+    runner = static_runner(loaded, 3)
+    lanes, static = runner.reuse.lanes, runner._batched.static
+    assert lanes is not None and static is not None and static.capture is (TEST_DEVICE == "cuda")
+    for lane in range(3):
+        prefilled(loaded, lanes, lane, tokens(lane, 50 + 100 * lane))
+    held = {slot: slab[:3].clone() for slot, slab in lanes.slabs.items()}
+    captured: list[tuple[int, int]] = []
+
+    def capture(rows: int, length: int) -> tuple[object, torch.Tensor]:
+        captured.append((rows, length))
+        return object(), static._run(rows, length)
+
+    monkeypatch.setattr(static, "capture", True)
+    monkeypatch.setattr(static, "_graphs", {})
+    monkeypatch.setattr(static, "_capture", capture)
+    assert static.prepare() == 9
+    assert captured == [(rows, length) for rows in (1, 2, 3) for length in (256, 512, 1024)]
+    assert all(torch.equal(slab[:3], held[slot]) for slot, slab in lanes.slabs.items())
+
+    def fail(rows: int, length: int) -> tuple[object, torch.Tensor]:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(static, "_graphs", {})
+    monkeypatch.setattr(static, "_capture", fail)
+    assert static.prepare() == 0 and not static.capture
+    assert static.reason == "capturing a decode step failed (RuntimeError): decode steps run eagerly"
 
 
 def test_a_lane_that_outgrew_its_rows_steps_per_row_until_a_request_fits_again(tmp_path: Path) -> None:
