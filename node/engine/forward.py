@@ -175,11 +175,12 @@ class Forward:
 
 
 def choose_forward(model: Any, device: torch.device, dtype: torch.dtype, model_id: str,
-                   media: MediaFamily | None = None) -> Forward:
+                   media: MediaFamily | None = None, remote_experts: bool = False) -> Forward:
     """The backend for a loaded model, logged once with its reason; the library backend's parts are installed
     in `model` first (the native backend builds on them). `media`: a vision-language model's image processor and
     tower; its prompt chunks that hold attachments, or whose positions are not their indices, run the library's
-    forward on input embeddings (`media.py`)."""
+    forward on input embeddings (`media.py`). `remote_experts`: its routed experts run on expert holders
+    (`experts.py`)."""
     mamba1.install(model)  # multi-token continuation of Mamba-1 scans from the cached state
     mamba2.install(model)  # short continuations of Mamba-2 mixers skip the padded chunk scan
     if device.type == "cpu":
@@ -195,21 +196,24 @@ def choose_forward(model: Any, device: torch.device, dtype: torch.dtype, model_i
         None, f"the model runs on {device.type}")
     forward = Forward("native-cpu" if decoder is not None else "library", reason, model, device, last_row=last_row,
                       decoder=decoder, decode_kernels=decode_kernels, batching=batch_blocker(model), media=media,
-                      static=static_blocker(model, device))
+                      static=static_blocker(model, device, remote_experts))
     log.info("model %s: %s forward (%s); decode attention %s", Safe(model_id), Safe(forward.backend), Safe(reason),
              Safe(forward.decode_attention))
     return forward
 
 
-def static_blocker(model: Any, device: torch.device) -> str | None:
+def static_blocker(model: Any, device: torch.device, remote_experts: bool = False) -> str | None:
     """Why `model`'s decode steps on `device` do not run as static steps over the lanes' slabs, replayed as CUDA
-    graphs (`static_decode.py`), or None where they do: on CUDA, every layer plain full attention by SDPA, unless
-    TENZRO_CUDA_GRAPHS=off (the A/B of `scripts/device_check.sh`). TENZRO_STATIC_DECODE=on takes the static steps
-    on any device, eagerly off CUDA: how the whole node's use of them is tested on a CPU."""
+    graphs (`static_decode.py`), or None where they do: on CUDA, every layer plain full attention by SDPA, the
+    experts (if any) in this process, unless TENZRO_CUDA_GRAPHS=off (the A/B of `scripts/device_check.sh`).
+    TENZRO_STATIC_DECODE=on takes the static steps on any device, eagerly off CUDA: how the whole node's use of them
+    is tested on a CPU."""
     if os.environ.get("TENZRO_CUDA_GRAPHS", "").lower() == "off":
         return "switched off (TENZRO_CUDA_GRAPHS=off)"
     if device.type != "cuda" and os.environ.get("TENZRO_STATIC_DECODE", "").lower() != "on":
         return f"on {device.type} a decode step attends each row's own cache: graphs are for a GPU's launches"
+    if remote_experts:
+        return "the routed experts run on expert holders: a step's exchange with them cannot be replayed"
     if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
         return "layers other than full attention (sliding-window or recurrent) keep state outside the lanes' slabs"
     implementations = {getattr(m.config, "_attn_implementation", None) for m in model.modules()

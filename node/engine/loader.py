@@ -134,7 +134,7 @@ def load_model(model_id: str, path: Path, device: str | None = None, dtype: str 
         split = None if experts is None else ExpertSplit.start(model, torch_dtype, experts)
     except ExpertsError as exc:
         raise ModelLoadError(str(exc)) from exc
-    forward = choose_forward(model, target, torch_dtype, model_id, media)
+    forward = choose_forward(model, target, torch_dtype, model_id, media, remote_experts=split is not None)
     text_config = config.get_text_config(decoder=True)
     context = int(getattr(text_config, "max_position_embeddings", 0) or tokenizer.model_max_length)
     state: ModelStateAdapter | None = None

@@ -162,6 +162,8 @@ def test_static_steps_are_chosen_on_cuda_for_full_attention_by_sdpa(tmp_path: Pa
     assert static_blocker(llama.model, cuda) is None
     assert static_blocker(llama.model, torch.device("cpu")) == (
         "on cpu a decode step attends each row's own cache: graphs are for a GPU's launches")
+    assert static_blocker(llama.model, cuda, remote_experts=True) == (
+        "the routed experts run on expert holders: a step's exchange with them cannot be replayed")
     monkeypatch.setenv("TENZRO_STATIC_DECODE", "on")  # the whole node's use of the steps, tested on a CPU
     assert static_blocker(llama.model, torch.device("cpu")) is None
     monkeypatch.setenv("TENZRO_CUDA_GRAPHS", "off")
