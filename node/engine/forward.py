@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 from node.engine import mamba1, mamba2
 from node.engine.batch_forward import BatchedDecode, Shared, batch_blocker, batchable
@@ -204,18 +204,22 @@ def choose_forward(model: Any, device: torch.device, dtype: torch.dtype, model_i
 
 def static_blocker(model: Any, device: torch.device, remote_experts: bool = False) -> str | None:
     """Why `model`'s decode steps on `device` do not run as static steps over the lanes' slabs, replayed as CUDA
-    graphs (`static_decode.py`), or None where they do: on CUDA, every layer plain full attention by SDPA, the
-    experts (if any) in this process, unless TENZRO_CUDA_GRAPHS=off (the A/B of `scripts/device_check.sh`).
-    TENZRO_STATIC_DECODE=on takes the static steps on any device, eagerly off CUDA: how the whole node's use of them
-    is tested on a CPU."""
+    graphs (`static_decode.py`), or None where they do: on CUDA, every layer full attention by SDPA or recurrent
+    (at least one attention layer), the experts (if any) in this process, unless TENZRO_CUDA_GRAPHS=off (the A/B of
+    `scripts/device_check.sh`). TENZRO_STATIC_DECODE=on takes the static steps on any device, eagerly off CUDA: how
+    the whole node's use of them is tested on a CPU."""
     if os.environ.get("TENZRO_CUDA_GRAPHS", "").lower() == "off":
         return "switched off (TENZRO_CUDA_GRAPHS=off)"
     if device.type != "cuda" and os.environ.get("TENZRO_STATIC_DECODE", "").lower() != "on":
         return f"on {device.type} a decode step attends each row's own cache: graphs are for a GPU's launches"
     if remote_experts:
         return "the routed experts run on expert holders: a step's exchange with them cannot be replayed"
-    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
-        return "layers other than full attention (sliding-window or recurrent) keep state outside the lanes' slabs"
+    kinds = {type(layer) for layer in DynamicCache(config=model.config).layers}
+    if kinds - {DynamicLayer, LinearAttentionLayer}:
+        names = ", ".join(sorted(kind.__name__ for kind in kinds - {DynamicLayer, LinearAttentionLayer}))
+        return f"layers of kind {names} keep state a static step does not hold (only full attention and recurrent)"
+    if DynamicLayer not in kinds:
+        return "no full-attention layer: no rows in the lanes' slabs for a step to be placed by"
     implementations = {getattr(m.config, "_attn_implementation", None) for m in model.modules()
                        if getattr(m, "layer_idx", None) is not None and hasattr(m, "config")}
     if implementations - {"sdpa"}:

@@ -69,9 +69,13 @@ class ModelRunner:
         graphs on a GPU."""
         static = self.forward.static is None if static is None else static
         rows = self.reuse.reserve_lanes(lanes, budget, contiguous=static)
-        slabs = self.reuse.lanes.slabs if self.reuse.lanes is not None else {}
-        if static and slabs:
-            self._batched.go_static(slabs, capture=self.forward.device.type == "cuda").prepare()
+        owner = self.reuse.lanes
+        if static and owner is not None and owner.slabs:
+            with torch.inference_mode():
+                template, _ = owner.new_cache(0, 1)
+                self.forward.prefill([0], 0, template)  # one token: the shapes of the recurrent layers' states
+                owner.wipe(0, 0, 1)
+            self._batched.go_static(owner.slabs, template, capture=self.forward.device.type == "cuda").prepare()
         return rows
 
     def engine_config(self) -> dict[str, Any]:

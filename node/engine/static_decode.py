@@ -22,9 +22,16 @@ row's own cache, ragged and moving, so it cannot be captured. This one can:
   each replay. Off CUDA (the CPU tests) the same step runs eagerly, which is how its results are checked against
   the per-row step.
 
-It takes a step when every row's working cache is plain full attention in the slab, with room for the new row:
-sliding-window and recurrent layers, a lane that outgrew its rows, rows still opening or held by reference first
-take the per-row step (`batch_forward.py`). Nothing looks across scopes: each row reads only its own lane's rows.
+Hybrid and state-space-with-attention models (Mamba-1/2, short-conv and gated delta-net layers beside attention)
+keep one position's conv and recurrent states per sequence. Each recurrent layer's states have a buffer `[lanes,
+...]` per state beside the slabs: the step copies its sequences' states into their lanes' rows (one `_foreach_copy_`
+for all, outside the graph), the model's mixers update rows `[0, M)` as a batch, and the rows are copied back into
+the sequences' own states after it. Idle lanes' rows are computed and dropped as their attention is.
+
+It takes a step when every row's working cache is full attention in the slab, with room for the new row, and
+recurrent layers that have run; sliding-window layers, models without attention, a lane that outgrew its rows,
+rows still opening or held by reference first take the per-row step (`batch_forward.py`). Nothing looks across
+scopes: each row reads only its own lane's rows and its own states.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from typing import Any, cast
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, LinearAttentionLayer
 from transformers.modeling_utils import AttentionInterface
 
 from cache.working_cache import GrowableKVLayer
@@ -62,7 +69,11 @@ class Placed:
     lanes: tuple[int, ...]
     lengths: tuple[int, ...]
     layers: tuple[tuple[GrowableKVLayer, ...], ...]
-    """Each sequence's layers, which `advance` once the step has written their row."""
+    """Each sequence's attention layers, which `advance` once the step has written their row."""
+    rows: list[torch.Tensor]
+    """The step's rows of the recurrent state buffers (`[1, ...]` views), one per sequence and state ..."""
+    states: list[torch.Tensor]
+    """... and the sequences' own states they are copied from before the step and back into after it."""
 
 
 class _SlabCache(Cache):
@@ -70,7 +81,9 @@ class _SlabCache(Cache):
     length in its write lane and returns the first L rows of lanes `[0, M)`."""
 
     def __init__(self, owner: StaticDecode, rows: int, length: int) -> None:
-        super().__init__(layers=[_LAYER] * len(owner.slabs))
+        self.recurrent = {layer: owner.stacked(layer, rows) for layer in owner.states}
+        """Each recurrent layer's states: rows `[0, M)` of its state buffers."""
+        super().__init__(layers=[self.recurrent.get(layer, _LAYER) for layer in range(len(owner.kinds))])
         self.owner, self.rows, self.length = owner, rows, length
         at, write = owner.inputs[2, :rows], owner.inputs[3, :rows]
         self.at, self.write = at, write
@@ -83,6 +96,14 @@ class _SlabCache(Cache):
         keys[self.write, :, self.at] = key_states[:, :, 0]
         values[self.write, :, self.at] = value_states[:, :, 0]
         return keys[:self.rows, :, :self.length], values[:self.rows, :, :self.length]
+
+    def keep_states(self) -> None:
+        """After the forward: a state the model replaced rather than updated in place goes into its buffer."""
+        for layer, stacked in self.recurrent.items():
+            for (kind, index), buffer in self.owner.states[layer].items():
+                state = (stacked.conv_states if kind == "conv" else stacked.recurrent_states)[index]
+                if state is not None and state.data_ptr() != buffer.data_ptr():
+                    buffer[:self.rows].copy_(state)
 
 
 _LAYER: Any = object()
@@ -99,28 +120,57 @@ def _static_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
 AttentionInterface.register(STATIC, _static_attention)
 
 
+def _kind(layer: Any) -> str:
+    """"attention" (a working layer, in the slabs), "recurrent" (conv and recurrent states), or its class's name."""
+    if type(layer) is GrowableKVLayer:
+        return "attention"
+    if type(layer) is LinearAttentionLayer:
+        return "recurrent"
+    return type(layer).__name__
+
+
+def _state_buffers(layer: LinearAttentionLayer, lanes: int) -> dict[tuple[str, int], torch.Tensor]:
+    """A zeroed buffer `[lanes, ...]` per state the layer holds (`[1, ...]` each)."""
+    buffers = {}
+    for index in range(layer.number_of_states):
+        for kind, state in (("conv", layer.conv_states[index]), ("recurrent", layer.recurrent_states[index])):
+            if state is not None:
+                buffers[(kind, index)] = state.new_zeros((lanes, *state.shape[1:]))
+    return buffers
+
+
 class StaticDecode:
     """Static decode steps over the lanes' slabs (`Lanes.slabs`), captured as CUDA graphs where `capture`.
 
     `configs` and `implementations`: the model's configs and their own attention implementations, which a step
     switches away from and back; `inner(module)`: a module's own attention function (`BatchedDecode`'s)."""
 
-    def __init__(self, model: Any, slabs: dict[int, torch.Tensor], configs: Sequence[Any],
+    def __init__(self, model: Any, slabs: dict[int, torch.Tensor], template: DynamicCache, configs: Sequence[Any],
                  implementations: Sequence[str | None], inner: Any, capture: bool) -> None:
-        layers = len(slabs) // 2
+        """`template`: a working cache that has run (one token), whose layers say which are attention (in the slabs)
+        and which recurrent, and the shapes of the recurrent states."""
         self.model = model
-        self.slabs = [(slabs[2 * layer], slabs[2 * layer + 1]) for layer in range(layers)]
-        first = self.slabs[0][0]
+        self.kinds = [_kind(layer) for layer in template.layers]
+        self.slabs = {layer: (slabs[2 * layer], slabs[2 * layer + 1])
+                      for layer in sorted({slot // 2 for slot in slabs})}
+        """Per attention layer, its keys' and values' slabs."""
+        first = next(iter(self.slabs.values()))[0]
         self.lanes = first.shape[0] - 1
         """Lanes in the slab (the last index is scratch)."""
         self.rows = first.shape[2]
         self.device = first.device
+        recurrent: dict[int, Any] = {index: layer for index, layer in enumerate(template.layers)
+                                     if self.kinds[index] == "recurrent"}
+        self.states = {index: _state_buffers(layer, self.lanes) for index, layer in recurrent.items()}
+        """Per recurrent layer, a buffer `[lanes, ...]` per state: row l holds lane l's state during a step."""
+        self._kernels = {index: dict(layer.conv_kernel_size) for index, layer in recurrent.items()}
         self._configs, self._implementations, self.inner = list(configs), list(implementations), inner
         self.inputs = torch.zeros(4, self.lanes, dtype=torch.long, device=self.device)
         """Per lane: token, position, length, write lane (the static inputs every captured step reads)."""
         self.columns = torch.arange(self.rows, device=self.device)
-        self._starts = [(keys.data_ptr(), keys.stride(0) * keys.element_size(),
-                         values.data_ptr(), values.stride(0) * values.element_size()) for keys, values in self.slabs]
+        self._starts = {layer: (keys.data_ptr(), keys.stride(0) * keys.element_size(),
+                                values.data_ptr(), values.stride(0) * values.element_size())
+                        for layer, (keys, values) in self.slabs.items()}
         self.capture = capture and self.device.type == "cuda"
         self.reason = ("decode steps replay as CUDA graphs, one per batch size and history length"
                        if self.capture else f"decode steps run eagerly over the lanes' slabs on {self.device.type}")
@@ -158,38 +208,74 @@ class StaticDecode:
                     return 0
         return len(self._graphs)
 
+    def stacked(self, layer: int, rows: int) -> Any:
+        """Recurrent layer `layer` of a step over lanes `[0, rows)`: its states are rows `[0, rows)` of the buffers,
+        continued (every sequence's layer has run before)."""
+        stacked: Any = LinearAttentionLayer(number_of_states=len(self._kernels[layer]))
+        for (kind, index), buffer in self.states[layer].items():
+            stacked.device, stacked.dtype = buffer.device, buffer.dtype
+            if kind == "conv":
+                stacked.conv_states[index] = buffer[:rows]
+                stacked.conv_kernel_size[index] = self._kernels[layer][index]
+                stacked.is_conv_states_initialized[index] = True
+            else:
+                stacked.recurrent_states[index] = buffer[:rows]
+                stacked.is_recurrent_states_initialized[index] = True
+            stacked.has_previous_state[index] = True
+        return stacked
+
     def place(self, caches: Sequence[DynamicCache]) -> Placed | None:
         """Where the sequences holding `caches` are in the slab, or None where any is not (a step then runs per
-        row): every layer a working layer in one lane's rows of the slab, with room for one more row."""
+        row): every attention layer a working layer in one lane's rows of the slab, with room for one more row;
+        every recurrent layer continuing a state of the buffers' shape."""
         lanes: list[int] = []
         lengths: list[int] = []
         layers: list[tuple[GrowableKVLayer, ...]] = []
+        rows: list[torch.Tensor] = []
+        states: list[torch.Tensor] = []
         for cache in caches:
-            if len(cache.layers) != len(self.slabs) or any(type(one) is not GrowableKVLayer for one in cache.layers):
+            if len(cache.layers) != len(self.kinds) or any(_kind(one) != kind for one, kind in zip(
+                    cache.layers, self.kinds, strict=True)):
                 return None
-            mine = cast(tuple[GrowableKVLayer, ...], tuple(cache.layers))
+            mine = cast(tuple[GrowableKVLayer, ...], tuple(cache.layers[layer] for layer in self.slabs))
             lane = self._lane(mine)
-            if lane is None or lane in lanes:
+            if lane is None or lane in lanes or not self._states(cache, lane, rows, states):
                 return None
-            length = mine[0].get_seq_length()
             lanes.append(lane)
-            lengths.append(length)
+            lengths.append(mine[0].get_seq_length())
             layers.append(mine)
-        return Placed(tuple(lanes), tuple(lengths), tuple(layers))
+        return Placed(tuple(lanes), tuple(lengths), tuple(layers), rows, states)
+
+    def _states(self, cache: DynamicCache, lane: int, rows: list[torch.Tensor], states: list[torch.Tensor]) -> bool:
+        """Add the cache's recurrent states, and lane's rows of their buffers, to `states` and `rows`; False where
+        a layer has not run, records its past, or holds a state of another shape."""
+        for layer, buffers in self.states.items():
+            own: Any = cache.layers[layer]
+            if own.record_past or not all(own.has_previous_state.values()):
+                return False
+            for (kind, index), buffer in buffers.items():
+                state = (own.conv_states if kind == "conv" else own.recurrent_states)[index]
+                if state is None or state.shape[1:] != buffer.shape[1:] or state.dtype != buffer.dtype:
+                    return False
+                rows.append(buffer[lane:lane + 1])
+                states.append(state)
+        return True
 
     def _lane(self, layers: Sequence[GrowableKVLayer]) -> int | None:
-        """The lane whose slab rows every layer's buffers are, with room past the length; rows still opening or held
-        by reference are put in place first (the step reads the slab, not the layers). The layers of a working cache
-        are made, grown and written together, so they hold the same length: the first one's is the cache's."""
+        """The lane whose slab rows every attention layer's buffers are, with room past the length; rows still
+        opening or held by reference are put in place first (the step reads the slab, not the layers). The layers of
+        a working cache are made, grown and written together, so they hold the same length: the first one's is the
+        cache's."""
         first = layers[0]
         keys = first._key_buffer
         if keys is None or keys.shape[2] <= first.get_seq_length():
             return None
-        key_start, key_step = self._starts[0][:2]
+        starts = list(self._starts.values())
+        key_start, key_step = starts[0][:2]
         lane, off = divmod(keys.data_ptr() - key_start, key_step)
         if off or not 0 <= lane < self.lanes:
             return None
-        for layer, (key_start, key_step, value_start, value_step) in zip(layers, self._starts, strict=True):
+        for layer, (key_start, key_step, value_start, value_step) in zip(layers, starts, strict=True):
             if layer.opening is not None:
                 layer.wait_rows()
             if layer._pending:
@@ -215,7 +301,11 @@ class StaticDecode:
         for token, position, lane, at in zip(tokens, positions, placed.lanes, placed.lengths, strict=True):
             table[0][lane], table[1][lane], table[2][lane], table[3][lane] = token, position, at, lane
         self.inputs[:, :rows].copy_(torch.tensor(table))
+        if placed.rows:
+            torch._foreach_copy_(placed.rows, placed.states)
         logits = self._replay(rows, length) if self.capture else self._run(rows, length)
+        if placed.rows:
+            torch._foreach_copy_(placed.states, placed.rows)
         for layers in placed.layers:
             for layer in layers:
                 layer.advance()
@@ -266,6 +356,7 @@ class StaticDecode:
             out = self.model(input_ids=self.inputs[0, :rows].unsqueeze(1),
                              position_ids=self.inputs[1, :rows].unsqueeze(1), cache=cache, use_cache=True,
                              logits_to_keep=1)
+            cache.keep_states()
         finally:
             _STEP.cache = None
             for config, name in zip(self._configs, self._implementations, strict=True):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from cache.lanes import Lanes
 from cache.working_cache import GrowableKVLayer
@@ -24,15 +25,18 @@ from node.engine.synthetic import init_model
 from tests.node.conftest import TEST_DEVICE
 from tests.node.engine.test_batching import alone, load, requests, reuse_runner, run_together, tokens
 
-FULL_ATTENTION = ["llama", "qwen2-moe"]
-"""Families whose every layer is full attention: their steps run over the slabs."""
+STATIC = ["llama", "qwen2-moe", "bamba", "granite-moe-hybrid", "lfm2", "qwen3-next", "jamba"]
+"""Families whose every layer is full attention or recurrent (dense, MoE, Mamba-2, short conv, gated delta-net and
+Mamba-1 hybrids): their steps run over the slabs."""
 
 
 def row_bytes(loaded: LoadedModel) -> int:
+    """Bytes of one token row in a lane: keys and values of each full-attention layer, float32."""
     config = loaded.model.config
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers * 2 * heads * head_dim * 4
+    attention = sum(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+    return attention * 2 * heads * head_dim * 4
 
 
 def static_runner(loaded: LoadedModel, lanes: int, rows: int = 1024) -> ModelRunner:
@@ -41,7 +45,7 @@ def static_runner(loaded: LoadedModel, lanes: int, rows: int = 1024) -> ModelRun
     return runner
 
 
-@pytest.mark.parametrize("family", FULL_ATTENTION)
+@pytest.mark.parametrize("family", STATIC)
 async def test_callers_decoding_over_the_slabs_get_what_they_get_alone(family: str, tmp_path: Path) -> None:
     loaded = load(family, init_model(family, tmp_path / family, size="small"))
     batch = requests(loaded.model_id)
@@ -170,10 +174,16 @@ def test_static_steps_are_chosen_on_cuda_for_full_attention_by_sdpa(tmp_path: Pa
     assert static_blocker(llama.model, cuda) == "switched off (TENZRO_CUDA_GRAPHS=off)"
     monkeypatch.delenv("TENZRO_CUDA_GRAPHS")
     monkeypatch.delenv("TENZRO_STATIC_DECODE")
-    for family in ("mistral", "bamba"):  # sliding-window layers; recurrent layers
+    blocked = {
+        "mistral": "layers of kind DynamicSlidingWindowLayer keep state a static step does not hold (only full "
+                   "attention and recurrent)",
+        "falcon-h1": "layers of kind LinearAttentionAndFullAttentionLayer keep state a static step does not hold "
+                     "(only full attention and recurrent)",
+        "mamba": "no full-attention layer: no rows in the lanes' slabs for a step to be placed by",
+        "bamba": None}
+    for family, reason in blocked.items():
         model = load(family, init_model(family, tmp_path / family, size="small")).model
-        assert static_blocker(model, cuda) == (
-            "layers other than full attention (sliding-window or recurrent) keep state outside the lanes' slabs")
+        assert static_blocker(model, cuda) == reason, family
     runner = reuse_runner(llama)
     runner.reserve_lanes(2, 2 * 512 * row_bytes(llama))  # on this CPU: as the forward says, no slabs
     assert runner.reuse.lanes is not None and runner.reuse.lanes.slabs == {} and runner._batched.static is None
