@@ -8,7 +8,9 @@
 # - `bench load` at 32 clients again with decode steps eager (TENZRO_CUDA_GRAPHS=off): the A/B of the steps replayed
 #   as CUDA graphs (`node/engine/static_decode.py`);
 # - the cross-caller timing audit on the 1B shape (`tenzro audit timing`: caller B's TTFT must not tell whether
-#   caller A just sent the prompt, while A's own reuse is detected).
+#   caller A just sent the prompt, while A's own reuse is detected);
+# - last, where the budget still allows, `bench load` at 32 clients on the hybrid of the same scale (static steps
+#   with recurrent states).
 # Writes device_check.log (every step's output), device_check.json (each step's exit status and seconds) and the
 # benches' JSON under $OUT.
 #
@@ -69,7 +71,7 @@ step() {
 
 if [[ -z "$dry" ]]; then
   mkdir -p "$out" "$work"
-  rm -rf "$model"
+  rm -rf "$model" "$work/hybrid-$size"
   : >"$log"
 fi
 
@@ -96,6 +98,9 @@ step bench-load-eager 40 env TENZRO_CUDA_GRAPHS=off "$python" -m node bench load
   --duration 12 --model "$model" --json "$out/load-$size-eager.json"
 step audit-timing 70 "$python" -m node audit timing --device "$device" --model "$model" --samples 30 --length 4096 \
   --seed 38 --out "$out/audit-timing.json"
+step model-hybrid 45 "$python" -m node models init --arch hybrid --size "$size" "$work/hybrid-$size"
+step bench-load-hybrid 50 "$python" -m node bench load --device "$device" --clients 32 --duration 12 \
+  --model "$work/hybrid-$size" --json "$out/load-$size-hybrid.json"
 
 if [[ -z "$dry" ]]; then
   joined=$(IFS=,; printf '%s' "${steps[*]}")

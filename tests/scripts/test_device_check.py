@@ -57,6 +57,9 @@ def test_a_dry_run_prints_the_commands_of_the_check(tmp_path: Path, wheels: list
         f"--model {model} --json {out}/load-1b-eager.json",
         f"python3 -m node audit timing --device cuda --model {model} --samples 30 --length 4096 --seed 38 "
         f"--out {out}/audit-timing.json",
+        f"python3 -m node models init --arch hybrid --size 1b {tmp_path}/work/hybrid-1b",
+        f"python3 -m node bench load --device cuda --clients 32 --duration 12 --model {tmp_path}/work/hybrid-1b "
+        f"--json {out}/load-1b-hybrid.json",
     ]
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
 
@@ -77,7 +80,7 @@ def test_a_failed_or_overlong_step_is_recorded_and_the_rest_still_run(tmp_path: 
     assert [(step["step"], step["exit"]) for step in report["steps"]] == [
         ("machine", 0), ("versions", 0), ("reuse-matrix", 0), ("batching", 3), ("model", 0), ("bench-reuse", 0),
         ("bench-load", 124), ("bench-seal", 124), ("bf16-agreement", 124),
-        ("bench-load-eager", 124), ("audit-timing", 124)]
+        ("bench-load-eager", 124), ("audit-timing", 124), ("model-hybrid", 124), ("bench-load-hybrid", 124)]
     assert (report["device"], report["size"], report["budget_s"]) == ("cuda", "1b", 3) and report["seconds"] <= 4
     log = (tmp_path / "out" / "device_check.log").read_text()
     assert "ran -m pytest -q -p no:cacheprovider -n 4 tests/node/engine/test_batching.py" in log
