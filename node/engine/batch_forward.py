@@ -372,11 +372,13 @@ class BatchedDecode:
         """The steps over the lanes' slabs (`static_decode.py`), once the runner laid its lanes out so (`go_static`):
         a step whose rows are all there runs there."""
 
-    def go_static(self, slabs: dict[int, torch.Tensor], template: DynamicCache, capture: bool) -> StaticDecode:
-        """Run steps over the lanes' slabs (`Lanes.slabs`) from now on, captured as CUDA graphs where `capture`;
-        `template`: a working cache that has run, whose recurrent layers' states give their buffers' shapes."""
-        self.static = StaticDecode(self._model, slabs, template, self._configs, self._implementations, self._inner,
-                                   capture)
+    def go_static(self, slabs: dict[int, torch.Tensor], template: DynamicCache, lanes: int, capture: bool
+                  ) -> StaticDecode:
+        """Run steps over the lanes' slabs (`Lanes.slabs`; none for a model without attention) from now on, captured
+        as CUDA graphs where `capture`; `template`: a working cache that has run, whose recurrent layers' states give
+        their buffers' shapes."""
+        self.static = StaticDecode(self._model, slabs, template, lanes, self._configs, self._implementations,
+                                   self._inner, capture)
         return self.static
 
     def _scratch(self, floats: int) -> torch.Tensor:

@@ -204,8 +204,8 @@ def choose_forward(model: Any, device: torch.device, dtype: torch.dtype, model_i
 
 def static_blocker(model: Any, device: torch.device, remote_experts: bool = False) -> str | None:
     """Why `model`'s decode steps on `device` do not run as static steps over the lanes' slabs, replayed as CUDA
-    graphs (`static_decode.py`), or None where they do: on CUDA, every layer full attention by SDPA or recurrent
-    (at least one attention layer), the experts (if any) in this process, unless TENZRO_CUDA_GRAPHS=off (the A/B of
+    graphs (`static_decode.py`), or None where they do: on CUDA, every layer full attention by SDPA or recurrent,
+    the experts (if any) in this process, unless TENZRO_CUDA_GRAPHS=off (the A/B of
     `scripts/device_check.sh`). TENZRO_STATIC_DECODE=on takes the static steps on any device, eagerly off CUDA: how
     the whole node's use of them is tested on a CPU."""
     if os.environ.get("TENZRO_CUDA_GRAPHS", "").lower() == "off":
@@ -214,14 +214,14 @@ def static_blocker(model: Any, device: torch.device, remote_experts: bool = Fals
         return f"on {device.type} a decode step attends each row's own cache: graphs are for a GPU's launches"
     if remote_experts:
         return "the routed experts run on expert holders: a step's exchange with them cannot be replayed"
-    kinds = {type(layer) for layer in DynamicCache(config=model.config).layers}
+    layers = DynamicCache(config=model.config).layers
+    kinds = {type(layer) for layer in layers}
     if kinds - {DynamicLayer, LinearAttentionLayer}:
         names = ", ".join(sorted(kind.__name__ for kind in kinds - {DynamicLayer, LinearAttentionLayer}))
         return f"layers of kind {names} keep state a static step does not hold (only full attention and recurrent)"
-    if DynamicLayer not in kinds:
-        return "no full-attention layer: no rows in the lanes' slabs for a step to be placed by"
+    attention = {index for index, layer in enumerate(layers) if type(layer) is DynamicLayer}
     implementations = {getattr(m.config, "_attn_implementation", None) for m in model.modules()
-                       if getattr(m, "layer_idx", None) is not None and hasattr(m, "config")}
+                       if getattr(m, "layer_idx", None) in attention and hasattr(m, "config")}
     if implementations - {"sdpa"}:
         return f"attention by {', '.join(sorted(map(str, implementations - {'sdpa'})))}, not SDPA"
     return None

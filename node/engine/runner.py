@@ -22,6 +22,7 @@ import torch
 from cache.arena import Scope, SealCost
 from cache.prefix_cache import PrefixCache
 from cache.snapshot_policy import SnapshotPolicy
+from cache.working_cache import GrowableKVLayer
 from node.engine.detokenizer import Detokenizer
 from node.engine.kinship import Kinship
 from node.engine.loader import LoadedModel
@@ -70,12 +71,14 @@ class ModelRunner:
         static = self.forward.static is None if static is None else static
         rows = self.reuse.reserve_lanes(lanes, budget, contiguous=static)
         owner = self.reuse.lanes
-        if static and owner is not None and owner.slabs:
-            with torch.inference_mode():
-                template, _ = owner.new_cache(0, 1)
-                self.forward.prefill([0], 0, template)  # one token: the shapes of the recurrent layers' states
-                owner.wipe(0, 0, 1)
-            self._batched.go_static(owner.slabs, template, capture=self.forward.device.type == "cuda").prepare()
+        if not static or owner is None or lanes <= 0:
+            return rows
+        with torch.inference_mode():
+            template, _ = owner.new_cache(0, 1)
+            self.forward.prefill([0], 0, template)  # one token: the shapes of the recurrent layers' states
+            owner.wipe(0, 0, 1)
+        if owner.slabs or not any(isinstance(layer, GrowableKVLayer) for layer in template.layers):
+            self._batched.go_static(owner.slabs, template, lanes, capture=self.forward.device.type == "cuda").prepare()
         return rows
 
     def engine_config(self) -> dict[str, Any]:

@@ -22,15 +22,16 @@ row's own cache, ragged and moving, so it cannot be captured. This one can:
   each replay. Off CUDA (the CPU tests) the same step runs eagerly, which is how its results are checked against
   the per-row step.
 
-Hybrid and state-space-with-attention models (Mamba-1/2, short-conv and gated delta-net layers beside attention)
-keep one position's conv and recurrent states per sequence. Each recurrent layer's states have a buffer `[lanes,
+Hybrid and state-space models (Mamba-1/2, short-conv and gated delta-net layers, beside attention or alone) keep
+one position's conv and recurrent states per sequence. Each recurrent layer's states have a buffer `[lanes,
 ...]` per state beside the slabs: the step copies its sequences' states into their lanes' rows (one `_foreach_copy_`
 for all, outside the graph), the model's mixers update rows `[0, M)` as a batch, and the rows are copied back into
-the sequences' own states after it. Idle lanes' rows are computed and dropped as their attention is.
+the sequences' own states after it. Idle lanes' rows are computed and dropped as their attention is. A model
+without attention has no slabs: its step's sequences take rows `[0, B)` of the state buffers, whatever their lanes.
 
 It takes a step when every row's working cache is full attention in the slab, with room for the new row, and
-recurrent layers that have run; sliding-window layers, models without attention, a lane that outgrew its rows,
-rows still opening or held by reference first take the per-row step (`batch_forward.py`). Nothing looks across
+recurrent layers that have run; sliding-window layers, a lane that outgrew its rows, rows still opening or held
+by reference first take the per-row step (`batch_forward.py`). Nothing looks across
 scopes: each row reads only its own lane's rows and its own states.
 """
 
@@ -145,22 +146,27 @@ class StaticDecode:
     `configs` and `implementations`: the model's configs and their own attention implementations, which a step
     switches away from and back; `inner(module)`: a module's own attention function (`BatchedDecode`'s)."""
 
-    def __init__(self, model: Any, slabs: dict[int, torch.Tensor], template: DynamicCache, configs: Sequence[Any],
-                 implementations: Sequence[str | None], inner: Any, capture: bool) -> None:
+    def __init__(self, model: Any, slabs: dict[int, torch.Tensor], template: DynamicCache, lanes: int,
+                 configs: Sequence[Any], implementations: Sequence[str | None], inner: Any, capture: bool) -> None:
         """`template`: a working cache that has run (one token), whose layers say which are attention (in the slabs)
-        and which recurrent, and the shapes of the recurrent states."""
+        and which recurrent, and the shapes of the recurrent states. `lanes`: how many; a model without attention
+        layers has no slabs to count them by."""
         self.model = model
         self.kinds = [_kind(layer) for layer in template.layers]
         self.slabs = {layer: (slabs[2 * layer], slabs[2 * layer + 1])
                       for layer in sorted({slot // 2 for slot in slabs})}
         """Per attention layer, its keys' and values' slabs."""
-        first = next(iter(self.slabs.values()))[0]
-        self.lanes = first.shape[0] - 1
-        """Lanes in the slab (the last index is scratch)."""
-        self.rows = first.shape[2]
-        self.device = first.device
         recurrent: dict[int, Any] = {index: layer for index, layer in enumerate(template.layers)
                                      if self.kinds[index] == "recurrent"}
+        first = next(iter(self.slabs.values()))[0] if self.slabs else None
+        self.lanes = lanes
+        """Lanes (in the slabs, whose last index is scratch)."""
+        self.rows = first.shape[2] if first is not None else 1
+        """Rows of history a lane holds (1 without attention: nothing to attend)."""
+        self.device = first.device if first is not None else next(
+            state for layer in recurrent.values() for state in (*layer.conv_states.values(),
+                                                                 *layer.recurrent_states.values())
+            if state is not None).device
         self.states = {index: _state_buffers(layer, self.lanes) for index, layer in recurrent.items()}
         """Per recurrent layer, a buffer `[lanes, ...]` per state: row l holds lane l's state during a step."""
         self._kernels = {index: dict(layer.conv_kernel_size) for index, layer in recurrent.items()}
@@ -233,16 +239,18 @@ class StaticDecode:
         layers: list[tuple[GrowableKVLayer, ...]] = []
         rows: list[torch.Tensor] = []
         states: list[torch.Tensor] = []
-        for cache in caches:
+        if len(caches) > self.lanes:
+            return None
+        for row, cache in enumerate(caches):
             if len(cache.layers) != len(self.kinds) or any(_kind(one) != kind for one, kind in zip(
                     cache.layers, self.kinds, strict=True)):
                 return None
             mine = cast(tuple[GrowableKVLayer, ...], tuple(cache.layers[layer] for layer in self.slabs))
-            lane = self._lane(mine)
+            lane = self._lane(mine) if mine else row  # without attention, any row holds a sequence's states
             if lane is None or lane in lanes or not self._states(cache, lane, rows, states):
                 return None
             lanes.append(lane)
-            lengths.append(mine[0].get_seq_length())
+            lengths.append(mine[0].get_seq_length() if mine else 0)
             layers.append(mine)
         return Placed(tuple(lanes), tuple(lengths), tuple(layers), rows, states)
 

@@ -25,23 +25,27 @@ from node.engine.synthetic import init_model
 from tests.node.conftest import TEST_DEVICE
 from tests.node.engine.test_batching import alone, load, requests, reuse_runner, run_together, tokens
 
-STATIC = ["llama", "qwen2-moe", "bamba", "granite-moe-hybrid", "lfm2", "qwen3-next", "jamba"]
+STATIC = ["llama", "qwen2-moe", "bamba", "granite-moe-hybrid", "lfm2", "qwen3-next", "jamba", "mamba", "mamba2"]
 """Families whose every layer is full attention or recurrent (dense, MoE, Mamba-2, short conv, gated delta-net and
-Mamba-1 hybrids): their steps run over the slabs."""
+Mamba-1 hybrids, and the state-space models without attention): their steps run over the slabs and state buffers."""
 
 
 def row_bytes(loaded: LoadedModel) -> int:
     """Bytes of one token row in a lane: keys and values of each full-attention layer, float32."""
     config = loaded.model.config
-    heads = config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = sum(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
-    return attention * 2 * heads * head_dim * 4
+    if not attention:
+        return 0
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return attention * 2 * config.num_key_value_heads * head_dim * 4
 
 
 def static_runner(loaded: LoadedModel, lanes: int, rows: int = 1024) -> ModelRunner:
+    """A runner whose lanes hold `rows` rows each (none without attention), its decode steps static."""
     runner = reuse_runner(loaded)
-    assert runner.reserve_lanes(lanes, lanes * rows * row_bytes(loaded), static=True) == rows
+    per_row = row_bytes(loaded)
+    assert runner.reserve_lanes(lanes, lanes * rows * max(per_row, 1), static=True) == (rows if per_row else 0)
+    assert runner._batched.static is not None
     return runner
 
 
@@ -62,7 +66,7 @@ async def test_callers_decoding_over_the_slabs_get_what_they_get_alone(family: s
     assert state["static_steps"] == state["decode_steps"] > 0 and state["largest_batch"] >= 2
     graphs = TEST_DEVICE == "cuda"
     assert state["static_decode"] == {
-        "graphs": graphs, "batches": [1, 2, 4], "lengths": [256, 512, 1024],
+        "graphs": graphs, "batches": [1, 2, 4], "lengths": [256, 512, 1024] if row_bytes(loaded) else [1],
         "reason": ("decode steps replay as CUDA graphs, one per batch size and history length" if graphs
                    else f"decode steps run eagerly over the lanes' slabs on {TEST_DEVICE}")}
 
@@ -179,8 +183,7 @@ def test_static_steps_are_chosen_on_cuda_for_full_attention_by_sdpa(tmp_path: Pa
                    "attention and recurrent)",
         "falcon-h1": "layers of kind LinearAttentionAndFullAttentionLayer keep state a static step does not hold "
                      "(only full attention and recurrent)",
-        "mamba": "no full-attention layer: no rows in the lanes' slabs for a step to be placed by",
-        "bamba": None}
+        "mamba": None, "bamba": None}
     for family, reason in blocked.items():
         model = load(family, init_model(family, tmp_path / family, size="small")).model
         assert static_blocker(model, cuda) == reason, family
