@@ -9,8 +9,8 @@ row's own cache, ragged and moving, so it cannot be captured. This one can:
 - Where it runs, the lanes' key and value buffers are one slab per layer (`Lanes.reserve(contiguous=True)`): lane
   i's buffers are index i of `[lanes + 1, kv_heads, rows, head_dim]` tensors, the last lane scratch. A sequence in a
   lane writes there as always (its working cache's layers are views of its lane); nothing is copied in or out.
-- A step of sequences in lanes l_1..l_B runs the model on the first M lanes (M the smallest of `BATCHES` above the
-  highest lane): lane l's row takes the token of its sequence, writes the new key and value at the sequence's length
+- A step of sequences in lanes l_1..l_B runs the model on the first M lanes (M the smallest of `BATCHES` that covers
+  the highest lane): lane l's row takes the token of its sequence, writes the new key and value at the sequence's length
   in lane l, and attends the first L rows of lane l (L the smallest of the `_lengths` past the longest sequence)
   under a mask that keeps rows `[0, length]`, through the model's own SDPA attention function. A lane with no
   sequence in the step writes into the scratch lane, attends one row, and its result is dropped: no row's result
@@ -30,9 +30,9 @@ the sequences' own states after it. Idle lanes' rows are computed and dropped as
 without attention has no slabs: its step's sequences take rows `[0, B)` of the state buffers, whatever their lanes.
 
 It takes a step when every row's working cache is full attention in the slab, with room for the new row, and
-recurrent layers that have run; sliding-window layers, a lane that outgrew its rows, rows still opening or held
-by reference first take the per-row step (`batch_forward.py`). Nothing looks across
-scopes: each row reads only its own lane's rows and its own states.
+recurrent layers that have run; sliding-window layers, a lane that outgrew its rows, rows still opening or held by
+reference first take the per-row step (`batch_forward.py`). Nothing looks across scopes: each row reads only its
+own lane's rows and its own states.
 """
 
 from __future__ import annotations
