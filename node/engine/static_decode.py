@@ -170,6 +170,10 @@ class StaticDecode:
         self.states = {index: _state_buffers(layer, self.lanes) for index, layer in recurrent.items()}
         """Per recurrent layer, a buffer `[lanes, ...]` per state: row l holds lane l's state during a step."""
         self._kernels = {index: dict(layer.conv_kernel_size) for index, layer in recurrent.items()}
+        self._lane_rows = [[buffer[lane:lane + 1] for buffers in self.states.values() for buffer in buffers.values()]
+                           for lane in range(self.lanes)]
+        """Per lane, its row (a `[1, ...]` view) of every state buffer, in `_states`' order: made once, not per
+        step."""
         self._configs, self._implementations, self.inner = list(configs), list(implementations), inner
         self.inputs = torch.zeros(4, self.lanes, dtype=torch.long, device=self.device)
         """Per lane: token, position, length, write lane (the static inputs every captured step reads)."""
@@ -265,8 +269,8 @@ class StaticDecode:
                 state = (own.conv_states if kind == "conv" else own.recurrent_states)[index]
                 if state is None or state.shape[1:] != buffer.shape[1:] or state.dtype != buffer.dtype:
                     return False
-                rows.append(buffer[lane:lane + 1])
                 states.append(state)
+        rows.extend(self._lane_rows[lane])
         return True
 
     def _lane(self, layers: Sequence[GrowableKVLayer]) -> int | None:
