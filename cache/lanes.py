@@ -66,10 +66,7 @@ class BufferPool:
     def settle(self, slot: int, home: torch.Tensor) -> None:
         """Make `home` (this lane's rows of a slab, zeroed) slot's buffer from now on, wherever a request fits it."""
         held = self._buffers.get(slot)
-        if held is not None and held is not home:
-            with torch.inference_mode():
-                held.zero_()
-        self._home[slot] = self._buffers[slot] = home
+        self._home[slot] = self._replace(slot, held if held is not home else None, home, 0)
 
     def take(self, slot: int, like: torch.Tensor, shape: tuple[int, ...], keep: int = 0) -> torch.Tensor:
         """A tensor of `shape` (seq on dim 2) with `like`'s dtype and device, backed by slot's buffer: its home in
@@ -79,24 +76,25 @@ class BufferPool:
         """
         held, home = self._buffers.get(slot), self._home.get(slot)
         if home is not None and held is not home and _fits(home, like, shape):
-            if keep and held is not None:
-                home[:, :, :keep].copy_(held[:, :, :keep])
-            if held is not None:
-                with torch.inference_mode():
-                    held.zero_()
-            held = self._buffers[slot] = home
+            held = self._replace(slot, held, home, keep)
         if held is None or not _fits(held, like, shape):
             rows = -(-shape[2] // ROWS_GRAIN) * ROWS_GRAIN
             fresh = like.new_empty((*shape[:2], rows, *shape[3:]))
             for hook in FRESH_BUFFER_HOOKS if fresh.device.type == "cpu" else ():  # host pages only
                 hook(fresh.data_ptr(), fresh.numel() * fresh.element_size())
-            if keep and held is not None:
-                fresh[:, :, :keep].copy_(held[:, :, :keep])
-            if held is not None:
-                with torch.inference_mode():
-                    held.zero_()  # a request's state must not outlive the buffer it was in
-            held = self._buffers[slot] = fresh
+            held = self._replace(slot, held, fresh, keep)
         return held[:, :, :shape[2]]
+
+    def _replace(self, slot: int, held: torch.Tensor | None, new: torch.Tensor, keep: int) -> torch.Tensor:
+        """Make `new` slot's buffer, with the first `keep` rows of `held`, which is then zeroed: a request's state
+        must not outlive the buffer it was in."""
+        if held is not None:
+            if keep:
+                new[:, :, :keep].copy_(held[:, :, :keep])
+            with torch.inference_mode():
+                held.zero_()
+        self._buffers[slot] = new
+        return new
 
     def held(self, slot: int) -> torch.Tensor | None:
         return self._buffers.get(slot)

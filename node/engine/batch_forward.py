@@ -381,6 +381,16 @@ class BatchedDecode:
                                    self._inner, capture)
         return self.static
 
+    def static_step(self, tokens: Sequence[int], positions: Sequence[int], caches: Sequence[DynamicCache]
+                    ) -> torch.Tensor | None:
+        """One step over the lanes' slabs (`StaticDecode.step`, logits `[B, vocab]`) where every row is placed there;
+        None, nothing run, where the lanes are not laid out so or a row is not (the per-row `step` then runs)."""
+        placed = self.static.place(caches) if self.static is not None else None
+        if placed is None:
+            return None
+        assert self.static is not None
+        return self.static.step(tokens, positions, placed)
+
     def _scratch(self, floats: int) -> torch.Tensor:
         if self._work.numel() < floats:
             self._work.zero_()

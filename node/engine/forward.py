@@ -130,10 +130,9 @@ class Forward:
         where they `batches` (`shared()` gives its groups of shared rows, which only a CPU step attends once: off the
         CPU they are not asked for, `batch_forward`'s portable step), else one forward each. Returns each row's
         prediction and whether they ran as one forward."""
-        placed = batched.static.place(caches) if batched.static is not None else None
-        if placed is not None:
-            assert batched.static is not None
-            return [Logits(row) for row in batched.static.step(tokens, positions, placed)], len(caches) > 1
+        logits = batched.static_step(tokens, positions, caches)
+        if logits is not None:
+            return [Logits(row) for row in logits], len(caches) > 1
         if self.batches(caches):
             return self.step(batched, tokens, positions, caches, self._groups(shared), greedy), True
         return [self.prefill([token], position, cache) for token, position, cache in zip(tokens, positions, caches,
@@ -146,11 +145,7 @@ class Forward:
         alone when it is stored)."""
         if not self.batches(caches):
             return False
-        placed = batched.static.place(caches) if batched.static is not None else None
-        if placed is not None:
-            assert batched.static is not None
-            batched.static.step(tokens, positions, placed)
-        else:
+        if batched.static_step(tokens, positions, caches) is None:
             batched.step(tokens, positions, caches, self.device, self._groups(shared), logits=False)
         return True
 
