@@ -311,13 +311,19 @@ async def _stream(request: web.Request, response: web.StreamResponse, job: Meter
     return response
 
 
+def chat_bounds(request: web.Request, attachments: bool) -> ChatBounds:
+    """What a chat body is checked against before it is rendered: the node's `limits.max_messages`, the served
+    model's context, and attachments where the API carries them (`attachments`) and the model takes them."""
+    loaded = request.app[SERVICE].loaded
+    return ChatBounds(request.app[CONFIG].limits.max_messages, loaded.context_length, loaded.max_token_bytes,
+                      loaded.message_tokens, AttachmentLimits() if attachments and loaded.media is not None else None)
+
+
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     caller = require_role(request[CALLER], "POST /v1/chat/completions", *RUNS_COMPLETIONS)
     check_requirements(request, caller)
-    loaded = request.app[SERVICE].loaded
-    bounds = ChatBounds(request.app[CONFIG].limits.max_messages, loaded.context_length, loaded.max_token_bytes,
-                        loaded.message_tokens, AttachmentLimits() if loaded.media is not None else None)
+    bounds = chat_bounds(request, attachments=True)
     chat, cache_key = await read_body(request, lambda body: (parse_chat(body, bounds), _has_cache_key(body)))
     service = _service(request, chat.params.model)
     ask = openai_ask(request, caller, chat.messages, cache_key)

@@ -22,15 +22,15 @@ from metering.record import UsageRecord
 from node.anthropic_schema import parse_messages
 from node.api.anthropic_errors import error_body
 from node.api.body import off_loop, read_body
-from node.api.completions import RUNS_COMPLETIONS, _respond, _service, check_requirements
-from node.api.keys import CALLER, CONFIG, SERVICE
+from node.api.completions import RUNS_COMPLETIONS, _respond, _service, chat_bounds, check_requirements
+from node.api.keys import CALLER
 from node.api.middleware import status_of
 from node.api.trust_groups import anthropic_ask
 from node.auth import require_role
 from node.breakpoints import message_counts, write_plan
 from node.engine.sequence import GenerationResult
 from node.errors import NodeError
-from node.openai_schema import ChatBounds, CommonParams
+from node.openai_schema import CommonParams
 
 routes = web.RouteTableDef()
 
@@ -101,9 +101,7 @@ class MessageShape:
 async def messages(request: web.Request) -> web.StreamResponse:
     caller = require_role(request[CALLER], "POST /v1/messages", *RUNS_COMPLETIONS)
     check_requirements(request, caller)
-    loaded = request.app[SERVICE].loaded
-    bounds = ChatBounds(request.app[CONFIG].limits.max_messages, loaded.context_length, loaded.max_token_bytes,
-                        loaded.message_tokens)
+    bounds = chat_bounds(request, attachments=False)
     parsed = await read_body(request, lambda body: parse_messages(body, bounds))
     service = _service(request, parsed.chat.params.model)
     ask = anthropic_ask(request, caller, parsed.breakpoints)
