@@ -63,15 +63,20 @@ class ChatRow:
     cached_tokens: float
 
 
-def picture(seed: int, side: int) -> str:
-    """A random `side`-pixel PNG as a data: URL; Pillow and torch are the node's own dependencies."""
+def random_png(seed: int, width: int, height: int) -> bytes:
+    """A seeded random PNG of `width` x `height` pixels; Pillow and torch are the node's own dependencies."""
     import torch
     from PIL import Image
 
-    pixels = torch.rand(side, side, 3, generator=torch.Generator().manual_seed(seed))
+    pixels = torch.rand(height, width, 3, generator=torch.Generator().manual_seed(seed))
     out = io.BytesIO()
     Image.fromarray((pixels * 255).to(torch.uint8).numpy()).save(out, "PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    return out.getvalue()
+
+
+def picture(seed: int, side: int) -> str:
+    """A random `side`-pixel PNG as a data: URL."""
+    return "data:image/png;base64," + base64.b64encode(random_png(seed, side, side)).decode()
 
 
 async def conversation(client: Client, mode: str, run: int, image: str, new_tokens: int) -> list[ChatSample]:

@@ -13,9 +13,9 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-import torch
 from PIL import Image
 
+from bench.media_chat import random_png
 from metering.record import MediaCounts
 from metering.segment import read_records, segment_files
 from metering.verify import verify_ledger
@@ -26,10 +26,7 @@ MODEL = "vlm-llava"
 
 
 def png(seed: int, size: tuple[int, int] = (70, 50)) -> bytes:
-    pixels = torch.rand(size[1], size[0], 3, generator=torch.Generator().manual_seed(seed))
-    out = io.BytesIO()
-    Image.fromarray((pixels * 255).to(torch.uint8).numpy()).save(out, "PNG")
-    return out.getvalue()
+    return random_png(seed, *size)
 
 
 def blank_png(size: tuple[int, int]) -> bytes:
